@@ -1,0 +1,43 @@
+# make run  — the main job (4 ranks on configs/default.yaml, CPU)
+# make test — lint, unit tests, then the MPI tests under mpiexec -n 4
+# Both create .venv on first use.
+
+PY       ?= python3
+VENV     := .venv
+BIN      := $(VENV)/bin
+STAMP    := $(VENV)/.kvdist-installed
+NP       ?= 4
+CONFIG   ?= configs/default.yaml
+export MPIEXEC_TIMEOUT ?= 600
+export PYTHONUNBUFFERED := 1
+
+.PHONY: run test lint unit mpi venv clean bench
+
+venv: $(STAMP)
+
+# torch: reuse the one the base Python has (a CUDA machine's), else the pinned CPU build.
+$(STAMP): pyproject.toml
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	    echo "reusing the installed torch"; $(PY) -m venv --system-site-packages $(VENV); \
+	else $(PY) -m venv $(VENV) && $(BIN)/pip install -q "torch==2.13.0"; fi
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q mpich mpi4py
+	$(BIN)/pip install -q -e ".[test,sim]"
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m kvdist run --config $(CONFIG)
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvdist tests launch
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+mpi: $(STAMP)
+	$(BIN)/mpiexec -n $(NP) $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests/mpi
+
+test: lint unit mpi
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,47 @@
+"""``python -m kvdist``: ``run`` (the main job) and ``bench`` (the benchmarks).
+
+A config mistake prints one line naming the key and exits with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import ConfigError
+
+BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvdist", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the main job: a serving simulation on the cache")
+    run.add_argument("--config", required=True, help="YAML config (see configs/)")
+    run.add_argument("--requests", type=int, default=None, help="override workload.requests")
+    run.add_argument("--out", default="runs", help="directory for runs/<UTC time>/ results")
+    run.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus metrics on this port (rank 0)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench = sub.add_parser("bench", help="benchmarks that print figures side by side")
+    bench.add_argument("name", choices=BENCHES)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            from . import demo
+
+            return demo.main(args)
+        module = importlib.import_module(f"kvdist.bench.{args.name}")
+        return module.main(args.args)
+    except ConfigError as e:
+        print(f"kvdist: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

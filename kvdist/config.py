@@ -1,0 +1,242 @@
+"""Settings: ``load_config`` turns a YAML file or a nested dict into a validated,
+immutable :class:`CacheConfig`. Validation is pydantic's; every failure becomes one
+:class:`~kvdist.errors.ConfigError` naming the dotted key and the bad value."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import xxhash
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import MISSING, ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+DTYPE_BYTES = {
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string with a unit (``64MiB``, ``2GB``, ``1.5GiB``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("a size must be an int (bytes) or a string like '64MiB'")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError("a size must look like 4096, '64MiB', '2GiB' or '500MB'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 0:
+        raise ValueError("a size cannot be negative")
+    return n
+
+
+def _positive_size(value: object) -> int:
+    n = parse_size(value)
+    if n == 0:
+        raise ValueError("must be greater than 0")
+    return n
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+PositiveSize = Annotated[int, BeforeValidator(_positive_size)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelConfig(_Section):
+    num_layers: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    dtype: str = "float16"
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype; one of {', '.join(DTYPE_BYTES)}")
+        return v
+
+
+class GpuTierConfig(_Section):
+    blocks: int | None = Field(default=None, gt=0)
+    bytes: PositiveSize | None = None
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> GpuTierConfig:
+        given = [k for k in ("blocks", "bytes", "memory_fraction") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of blocks, bytes, memory_fraction")
+        return self
+
+
+class HostTierConfig(_Section):
+    bytes: Size | Literal["auto"] = 0
+    # Registration granularity: one huge cudaHostRegister stalls every process on the node.
+    chunk_bytes: PositiveSize = 1024**3
+    prefault_threads: int = Field(default=0, ge=0)  # 0: one per core, at most 16
+    auto_memory_fraction: float = Field(default=0.5, gt=0, le=1)
+    auto_gpu_ratio: float = Field(default=4.0, gt=0)
+
+    @field_validator("bytes", mode="before")
+    @classmethod
+    def _size_or_auto(cls, v: object) -> object:
+        return v if v == "auto" else parse_size(v)
+
+
+class DiskTierConfig(_Section):
+    bytes: Size = 0
+    path: str | None = None
+    io_threads: int = Field(default=4, gt=0)
+    o_direct: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _creatable(cls, v: str | None, info) -> str | None:
+        if v is None or info.data.get("bytes", 0) == 0:
+            return v
+        try:
+            os.makedirs(v, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create the directory: {e.strerror}") from None
+        if not os.access(v, os.W_OK | os.X_OK):
+            raise ValueError("the directory is not writable")
+        return os.path.abspath(v)
+
+
+class CacheSection(_Section):
+    tokens_per_block: int = Field(default=16, gt=0)
+    device: str = "auto"
+    gpu: GpuTierConfig
+    host: HostTierConfig = HostTierConfig()
+    disk: DiskTierConfig = DiskTierConfig()
+    enable_reuse: bool = True
+    offload_min_priority: int = Field(default=0, ge=0, le=100)
+    simulate_async: bool = False
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("must be a power of two")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError("unknown device; use auto, cpu, cuda or cuda:N")
+        return v
+
+
+class DistributedConfig(_Section):
+    consensus_timeout_s: float = Field(default=120.0, gt=0)
+    check_consistency_every: int = Field(default=0, ge=0)  # steps; 0 = never automatically
+
+
+class WorkloadConfig(_Section):
+    """The synthetic serving trace of ``python -m kvdist run`` (ignored by the cache)."""
+
+    requests: int = Field(default=400, gt=0)
+    seed: int = 0
+    system_prompts: int = Field(default=4, gt=0)
+    system_prompt_tokens: int = Field(default=256, gt=0)
+    conversations: int = Field(default=64, gt=0)
+    user_tokens: tuple[int, int] = (16, 96)
+    output_tokens: tuple[int, int] = (8, 32)
+    arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
+    max_batch: int = Field(default=16, gt=0)
+    vocab_size: int = Field(default=512, gt=1)
+    hidden: int = Field(default=64, gt=0)
+    verify_logits_every: int = Field(default=25, ge=0)  # requests; 0 = never
+
+
+class CacheConfig(_Section):
+    """The whole validated config. Immutable; ``digest()`` is equal on ranks whose
+    normalized configs are equal."""
+
+    model: ModelConfig
+    cache: CacheSection
+    distributed: DistributedConfig = DistributedConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+
+    def normalized(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        text = json.dumps(self.normalized(), sort_keys=True)
+        return xxhash.xxh3_128_hexdigest(text.encode())
+
+    def replace(self, **sections: dict[str, Any]) -> CacheConfig:
+        """A copy with some keys changed, e.g. ``cfg.replace(cache={"host": {"bytes": 0}})``."""
+        return load_config(_merge(self.normalized(), sections))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def _to_config_error(err: ValidationError) -> ConfigError:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "<config>"
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        return ConfigError(key, e["input"], "unknown key")
+    if kind == "missing":
+        return ConfigError(key, MISSING, "missing required key")
+    msg = e["msg"].removeprefix("Value error, ")
+    return ConfigError(key, e.get("input"), msg)
+
+
+def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
+    """Validate a config given as a YAML path, a nested dict or a CacheConfig.
+
+    Raises ConfigError naming the first bad key and its value."""
+    if isinstance(source, CacheConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError("<file>", str(path), f"cannot read the config file: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError("<file>", str(path), f"not valid YAML: {e}".replace("\n", " ")) from None
+        if data is None:
+            data = {}
+    else:
+        data = source
+    if not isinstance(data, dict):
+        raise ConfigError("<config>", type(data).__name__, "the config must be a mapping")
+    try:
+        return CacheConfig.model_validate(data)
+    except ValidationError as err:
+        raise _to_config_error(err) from None

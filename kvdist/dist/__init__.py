@@ -1,0 +1,2 @@
+"""Multi-rank machinery: the library's communicator, deadline-bounded collectives,
+and the start-up consensus."""

@@ -1,0 +1,63 @@
+"""Error types of kvdist. Every error the library raises on purpose derives from
+:class:`KVDistError`, so an engine can catch the whole family in one clause."""
+
+from __future__ import annotations
+
+
+class KVDistError(Exception):
+    """Base class of every kvdist error."""
+
+
+MISSING = object()
+
+
+class ConfigError(KVDistError, ValueError):
+    """A config key or value is wrong. The message names the key and the value."""
+
+    def __init__(self, key: str, value: object, problem: str):
+        self.key = key
+        self.value = value
+        self.problem = problem
+        got = "" if value is MISSING else f" (got {value!r})"
+        super().__init__(f"config key '{key}': {problem}{got}")
+
+
+class OutOfBlocksError(KVDistError):
+    """A sequence cannot fit in the GPU tier even after evicting every evictable block."""
+
+    def __init__(self, needed: int, available: int, what: str = "sequence"):
+        self.needed = needed
+        self.available = available
+        super().__init__(
+            f"{what} needs {needed} GPU blocks but only {available} can be had "
+            f"(free + evictable); release sequences or enlarge cache.gpu"
+        )
+
+
+class HostTierUnavailable(KVDistError):
+    """The pinned host tier cannot be had (pinning, registration, ENOMEM, memlock).
+
+    In a multi-rank start this means USE_NO_HOST, not ABORT."""
+
+
+class ConsensusAbort(KVDistError):
+    """The ranks agreed to abort the start. ``failures`` maps rank -> reason for every
+    rank that failed."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        self.failures = dict(failures)
+        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+
+class ConsensusTimeout(KVDistError):
+    """A collective did not complete within ``distributed.consensus_timeout_s``:
+    at least one rank never arrived."""
+
+
+class ConsistencyError(KVDistError):
+    """Ranks that must hold identical cache state have diverged."""
+
+    def __init__(self, message: str, diverged: list[int]):
+        self.diverged = list(diverged)
+        super().__init__(message)

@@ -1,0 +1,55 @@
+"""Fault drills: ``KVDIST_FAULTS="site@rank[,site@rank...]"`` makes the named rank fail
+at the named site, to rehearse failures on a real job (DESIGN §2).
+
+Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``build``
+(any other error while building the local cache), ``fallback_build`` (error while
+rebuilding without the host tier), ``stall`` (the rank never reaches the consensus
+collective). ``site@*`` fails every rank."""
+
+from __future__ import annotations
+
+import os
+
+from .errors import ConfigError, HostTierUnavailable, KVDistError
+
+SITES = ("host_tier", "build", "fallback_build", "stall")
+ENV = "KVDIST_FAULTS"
+
+
+def parse(spec: str) -> dict[str, set[int] | None]:
+    """``{site: ranks}``; ranks None means every rank."""
+    out: dict[str, set[int] | None] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        site, sep, rank = item.partition("@")
+        if site not in SITES or not sep:
+            raise ConfigError(ENV, item, f"expected site@rank with site one of {', '.join(SITES)}")
+        if rank == "*":
+            out[site] = None
+            continue
+        try:
+            r = int(rank)
+        except ValueError:
+            raise ConfigError(ENV, item, "the rank must be an int or *") from None
+        ranks = out.setdefault(site, set())
+        if ranks is not None:
+            ranks.add(r)
+    return out
+
+
+def active(site: str, rank: int, spec: str | None = None) -> bool:
+    """Whether the drill asks ``rank`` to fail at ``site``."""
+    assert site in SITES, f"unknown fault site {site!r}"
+    faults = parse(os.environ.get(ENV, "") if spec is None else spec)
+    if site not in faults:
+        return False
+    ranks = faults[site]
+    return ranks is None or rank in ranks
+
+
+def inject(site: str, rank: int) -> None:
+    """Raise the drill's error for ``site`` if it is active on ``rank``."""
+    if not active(site, rank):
+        return
+    if site == "host_tier":
+        raise HostTierUnavailable(f"fault drill {ENV}: host tier unavailable on rank {rank}")
+    raise KVDistError(f"fault drill {ENV}: {site} failed on rank {rank}")

@@ -1,0 +1,58 @@
+"""KV geometry: how many bytes a block holds and how a pool is shaped.
+
+A block holds the K and V of ``tokens_per_block`` tokens for *all* layers, stored
+block-major (``[block, layer, k|v, token, head, dim]``), so moving a block between
+tiers is one contiguous copy of ``bytes_per_block`` bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from .config import DTYPE_BYTES, CacheConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_block: int
+
+    @classmethod
+    def from_config(cls, cfg: CacheConfig) -> KVLayout:
+        m = cfg.model
+        return cls(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, cfg.cache.tokens_per_block)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_elems(self) -> int:
+        """Elements of one layer's K and V in one block."""
+        return 2 * self.tokens_per_block * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_layer(self) -> int:
+        return self.layer_elems * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.bytes_per_layer
+
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: ``[layer, 2, tokens, heads, dim]``."""
+        return (self.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+
+    def blocks_in(self, nbytes: int) -> int:
+        return nbytes // self.bytes_per_block
+
+    def hash_salt(self) -> bytes:
+        """16 bytes that seed every block hash chain: caches of different geometry or
+        dtype never share a hash, even for equal tokens."""
+        key = (f"kvdist/v1/{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/"
+               f"{self.dtype}/{self.tokens_per_block}")
+        return xxhash.xxh3_128_digest(key.encode())

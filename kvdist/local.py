@@ -1,0 +1,151 @@
+"""Building one rank's cache candidate: device selection, capacity planning, the
+tier pools, the executor and the manager. A candidate owns every resource it
+allocated until ``teardown()``, which frees them all (also after a partial build)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import faults
+from .config import CacheConfig
+from .errors import ConfigError
+from .layout import KVLayout
+from .manager import CacheManager
+from .storage import DiskPool, GpuPool, HostPool
+from .transfer import HostCopies, SimExecutor, SyncExecutor
+
+
+def select_device(spec: str, local_rank: int = 0) -> torch.device:
+    """The GPU tier's device: ``auto`` is ``cuda:<node-local rank mod GPU count>`` when
+    CUDA exists, else ``cpu``. Engines embedding kvdist can reuse this."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    has_cuda = torch.cuda.is_available()
+    if spec == "auto":
+        if not has_cuda:
+            return torch.device("cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if not has_cuda:
+        raise ConfigError("cache.device", spec, "CUDA is not available on this machine")
+    dev = torch.device(spec)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError("cache.device", spec,
+                          f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def available_host_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes (physical pages as a fallback)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _blocks(key: str, nbytes: int, layout: KVLayout) -> int:
+    n = layout.blocks_in(nbytes)
+    if nbytes and n == 0:
+        raise ConfigError(key, nbytes, f"smaller than one block ({layout.bytes_per_block} bytes)")
+    return n
+
+
+def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
+                  local_ranks: int = 1) -> tuple[int, int, int]:
+    """Blocks per tier (gpu, host, disk) this rank would allocate."""
+    c = cfg.cache
+    if c.gpu.blocks is not None:
+        gpu = c.gpu.blocks
+    elif c.gpu.bytes is not None:
+        gpu = _blocks("cache.gpu.bytes", c.gpu.bytes, layout)
+    else:
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else available_host_memory() // max(local_ranks, 1))
+        gpu = _blocks("cache.gpu.memory_fraction", int(free * c.gpu.memory_fraction), layout)
+    if c.host.bytes == "auto":
+        share = available_host_memory() * c.host.auto_memory_fraction / max(local_ranks, 1)
+        host = layout.blocks_in(int(min(share, gpu * layout.bytes_per_block * c.host.auto_gpu_ratio)))
+    else:
+        host = _blocks("cache.host.bytes", c.host.bytes, layout)
+    disk = _blocks("cache.disk.bytes", c.disk.bytes, layout) if c.disk.path else 0
+    return gpu, host, disk
+
+
+def simulate_async(cfg: CacheConfig) -> bool:
+    env = os.environ.get("KVDIST_SIMULATE_ASYNC", "")
+    if env not in ("", "0", "1"):
+        raise ConfigError("KVDIST_SIMULATE_ASYNC", env, "must be 0 or 1")
+    return cfg.cache.simulate_async or env == "1"
+
+
+@dataclass(slots=True)
+class LocalCache:
+    """One rank's cache: pools, executor and manager, plus how it was built."""
+
+    cfg: CacheConfig
+    layout: KVLayout
+    device: torch.device
+    gpu: GpuPool | None = None
+    host: HostPool | None = None
+    disk: DiskPool | None = None
+    executor: object = None
+    manager: CacheManager | None = None
+
+    def teardown(self) -> None:
+        """Free every tier (idempotent, safe after a partial build)."""
+        if self.manager is not None:
+            try:
+                self.manager.synchronize()
+            finally:
+                self.manager = None
+        for pool in (self.disk, self.host, self.gpu):
+            if pool is not None:
+                pool.close()
+        self.disk = self.host = self.gpu = None
+        self.executor = None
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return self.manager.tier_names()
+
+
+def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.device,
+                rank: int, *, with_host: bool = True, fallback: bool = False) -> LocalCache:
+    """Allocate the tiers and the manager. ``with_host=False`` is the rebuild after
+    USE_NO_HOST (the disk tier is kept). On any error everything allocated so far is
+    freed before the error propagates."""
+    layout = KVLayout.from_config(cfg)
+    local = LocalCache(cfg, layout, device)
+    try:
+        faults.inject("fallback_build" if fallback else "build", rank)
+        gpu_n, host_n, disk_n = capacity
+        if not with_host:
+            host_n = 0
+        local.gpu = GpuPool(layout, gpu_n, device)
+        if host_n:
+            faults.inject("host_tier", rank)
+            local.host = HostPool(layout, host_n, pin=device.type == "cuda")
+        if disk_n:
+            local.disk = DiskPool(layout, disk_n, cfg.cache.disk.path, rank)
+        if device.type == "cuda":
+            from .transfer.cuda import CudaExecutor
+
+            local.executor = CudaExecutor(local.gpu, local.host, local.disk, device)
+        else:
+            copies = HostCopies(local.gpu, local.host, local.disk)
+            local.executor = SimExecutor(copies) if simulate_async(cfg) else SyncExecutor(copies)
+        local.manager = CacheManager(
+            layout, (gpu_n, host_n, disk_n), local.executor,
+            enable_reuse=cfg.cache.enable_reuse,
+            offload_min_priority=cfg.cache.offload_min_priority)
+        return local
+    except BaseException:
+        local.teardown()
+        raise
+

@@ -1,0 +1,391 @@
+"""The single-rank cache: sequences, prefix reuse, the eviction cascade, steps.
+
+Invariants (``check_invariants`` verifies them):
+
+* every slot is in exactly one place: its tier's free stack (FREE), its tier's
+  eviction lists (CACHED, unreferenced), held by sequences (GPU only, refcount > 0),
+  or in transit inside one call;
+* a slot is in the prefix index iff it is CACHED; each hash is indexed at most once,
+  so a block lives in one tier at a time (moves are exclusive: an onboarded host block
+  leaves the host tier);
+* host and disk slots are never referenced by sequences;
+* a block filled in step N enters the index at ``end_step`` of step N, never earlier.
+
+All per-block state is in :class:`~kvdist.blocks.BlockMeta`; the per-step work is
+proportional to the blocks a step touches."""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .blocks import (
+    ACTIVE,
+    CACHED,
+    DISK,
+    FREE,
+    GPU,
+    HOST,
+    NO_SLOT,
+    TIER_NAMES,
+    BlockMeta,
+    FreeStack,
+    SlotSpace,
+)
+from .errors import OutOfBlocksError
+from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
+from .layout import KVLayout
+from .prefix import PrefixIndex, block_hash, chain_hashes, digest_bytes, split, token_bytes
+from .transfer import ALL_RULES, DIRECTIONS, TransferEngine
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: Hashable
+    tokens: array  # int32 token ids known to the cache
+    slots: list[int]  # GPU slot of each block, in order
+    priority: int
+    num_hashed: int  # leading full blocks whose hashes are known (indexed or duplicate)
+    parent: bytes  # digest of block num_hashed - 1 (the salt when 0)
+    released: bool = False
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    hit_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
+    prompt_tokens: int = 0
+    blocks_moved: dict[str, int] = field(default_factory=lambda: {
+        "offload": 0, "onboard": 0, "demote": 0, "spill": 0, "fetch": 0})
+    evictions: list[int] = field(default_factory=lambda: [0, 0, 0])
+    dropped: int = 0
+    sequences_added: int = 0
+    steps: int = 0
+
+
+class CacheManager:
+    """Block bookkeeping of one rank over up to three tiers; copies go through a
+    :class:`~kvdist.transfer.TransferEngine` bound to ``executor``."""
+
+    def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor, *,
+                 enable_reuse: bool = True, offload_min_priority: int = 0,
+                 rules: frozenset[str] = ALL_RULES, tracking: str = "slot"):
+        assert capacity[GPU] > 0, "the GPU tier needs at least one block"
+        self.layout = layout
+        self.tpb = layout.tokens_per_block
+        self.space = SlotSpace(capacity)
+        self.meta = BlockMeta(self.space.total)
+        self.free = [FreeStack(self.space.base[t], capacity[t]) if capacity[t] else None
+                     for t in (GPU, HOST, DISK)]
+        self.lru = [PriorityLRU(self.meta) for _ in (GPU, HOST, DISK)]
+        self.index = PrefixIndex(self.space.total, self.meta)
+        self.engine = TransferEngine(self.space, executor, rules=rules, tracking=tracking,
+                                     block_id=self._block_id)
+        self.enable_reuse = enable_reuse
+        self.offload_min_priority = offload_min_priority
+        self.salt = layout.hash_salt()
+        self.seqs: dict[Hashable, Sequence] = {}
+        self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
+        self._deferred_release: list[Sequence] = []
+        self.counters = CacheCounters()
+        self.transfer_seconds = 0.0
+        self.bookkeeping_seconds = 0.0
+        # Tier order for eviction: where a block evicted from tier t may go.
+        self._colder = {GPU: [t for t in (HOST, DISK) if capacity[t]],
+                        HOST: [DISK] if capacity[DISK] else [], DISK: []}
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _block_id(self, slot: int) -> tuple[int, int]:
+        return self.meta.hi_mv[slot], self.meta.lo_mv[slot]
+
+    def has_tier(self, tier: int) -> bool:
+        return self.space.capacity[tier] > 0
+
+    def _available_gpu(self) -> int:
+        return len(self.free[GPU]) + len(self.lru[GPU])
+
+    def _copy(self, src: int, dst: int) -> None:
+        t0 = time.perf_counter()
+        self.engine.copy(src, dst)
+        self.transfer_seconds += time.perf_counter() - t0
+
+    def _move(self, src: int, dst: int) -> None:
+        """Move the cached block in ``src`` to the free slot ``dst`` (exclusive move)."""
+        meta = self.meta
+        self._copy(src, dst)
+        meta.move(src, dst)
+        self.index.retarget(src, dst)
+        meta.state_mv[dst] = CACHED
+        meta.state_mv[src] = FREE
+        t_src, t_dst = self.space.tier_of(src), self.space.tier_of(dst)
+        self.free[t_src].push(src)
+        self.counters.blocks_moved[DIRECTIONS[t_src, t_dst]] += 1
+
+    # -- the eviction cascade -----------------------------------------------------------------
+    def _take_slot(self, tier: int) -> int:
+        """A free slot of ``tier``, evicting its coldest block if needed; NO_SLOT if the
+        tier has no free and no evictable slot."""
+        s = self.free[tier].pop()
+        if s != NO_SLOT:
+            return s
+        victim = self.lru[tier].pop_victim()
+        if victim == NO_SLOT:
+            return NO_SLOT
+        self._evict(victim)
+        return self.free[tier].pop()
+
+    def _evict(self, slot: int) -> None:
+        """Evict the unreferenced cached block in ``slot`` (already out of the lists):
+        move it one tier colder, or drop it; the slot ends on its free stack."""
+        meta = self.meta
+        tier = self.space.tier_of(slot)
+        self.counters.evictions[tier] += 1
+        if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
+            for colder in self._colder[tier]:
+                dst = self._take_slot(colder)
+                if dst != NO_SLOT:
+                    self._move(slot, dst)
+                    self.lru[colder].push(dst)
+                    return
+        self.index.remove(slot)
+        meta.state_mv[slot] = FREE
+        self.free[tier].push(slot)
+        self.counters.dropped += 1
+
+    def _alloc_gpu(self, n: int, priority: int) -> list[int]:
+        """``n`` fresh GPU slots in state ACTIVE, refcount 1. The caller checked that
+        free + evictable >= n."""
+        free = self.free[GPU]
+        for _ in range(n - len(free)):
+            self._evict(self.lru[GPU].pop_victim())
+        slots = free.pop_many(n)
+        meta = self.meta
+        for s in slots:
+            meta.state_mv[s] = ACTIVE
+            meta.ref_mv[s] = 1
+            meta.prio_mv[s] = priority
+        return slots
+
+    # -- the step API ----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.begin_step()
+        self.transfer_seconds += time.perf_counter() - t0
+
+    def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
+                     priority: int = DEFAULT_PRIORITY) -> int:
+        """Admit a prompt: reuse its longest cached prefix of whole blocks from any tier
+        (leaving at least one token to compute), allocate GPU blocks for the rest.
+        Returns the number of prompt tokens reused."""
+        t0 = time.perf_counter()
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the cache")
+        if isinstance(priority, bool) or not isinstance(priority, int) or \
+                not 0 <= priority < NUM_PRIORITIES:
+            raise ValueError(f"priority must be an int in 0..{NUM_PRIORITIES - 1}, got {priority!r}")
+        tok = array("i")
+        try:
+            tok.extend(tokens)
+        except OverflowError:
+            raise ValueError("token ids must fit in int32") from None
+        n = len(tok)
+        if n == 0:
+            raise ValueError(f"sequence {seq_id!r} has no tokens")
+        tpb, meta, space = self.tpb, self.meta, self.space
+        n_blocks = -(-n // tpb)
+        hits: list[int] = []
+        parent = self.salt
+        if self.enable_reuse:
+            tb = token_bytes(tok)
+            for i in range((n - 1) // tpb):
+                h = block_hash(parent, tb, i, tpb)
+                s = self.index.find(h)
+                if s == NO_SLOT:
+                    break
+                hits.append(s)
+                parent = digest_bytes(h)
+        gpu_end = space.base[HOST]
+        pinned_gpu = sum(1 for s in hits if s < gpu_end and meta.ref_mv[s] == 0)
+        need = n_blocks - sum(1 for s in hits if s < gpu_end)
+        available = self._available_gpu() - pinned_gpu
+        if need > available:
+            raise OutOfBlocksError(need, available, f"sequence {seq_id!r} ({n} tokens)")
+        # Pin every hit first, so the cascade below cannot evict them.
+        for s in hits:
+            if s < gpu_end:
+                if meta.ref_mv[s] == 0:
+                    self.lru[GPU].remove(s)
+                meta.ref_mv[s] += 1
+            else:
+                self.lru[space.tier_of(s)].remove(s)
+        fresh = self._alloc_gpu(need, priority)
+        slots, k = [], 0
+        for s in hits:
+            tier = space.tier_of(s)
+            self.counters.hit_tokens[tier] += tpb
+            if tier != GPU:
+                g = fresh[k]
+                k += 1
+                self._move(s, g)
+                meta.ref_mv[g] = 1
+                s = g
+            if meta.prio_mv[s] < priority:
+                meta.prio_mv[s] = priority
+            slots.append(s)
+        slots.extend(fresh[k:])
+        seq = Sequence(seq_id, tok, slots, priority, len(hits), parent)
+        self.seqs[seq_id] = seq
+        self._dirty[seq_id] = seq
+        self.counters.prompt_tokens += n
+        self.counters.sequences_added += 1
+        self.bookkeeping_seconds += time.perf_counter() - t0
+        return len(hits) * tpb
+
+    def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
+        """Grow a sequence by decoded tokens (their K/V is written in this step)."""
+        t0 = time.perf_counter()
+        seq = self._get(seq_id)
+        old = len(seq.tokens)
+        try:
+            seq.tokens.extend(tokens)
+        except OverflowError:
+            del seq.tokens[old:]
+            raise ValueError("token ids must fit in int32") from None
+        need = -(-len(seq.tokens) // self.tpb) - len(seq.slots)
+        if need > 0:
+            available = self._available_gpu()
+            if need > available:
+                del seq.tokens[old:]
+                raise OutOfBlocksError(need, available, f"appending to sequence {seq_id!r}")
+            seq.slots.extend(self._alloc_gpu(need, seq.priority))
+        self._dirty[seq_id] = seq
+        self.bookkeeping_seconds += time.perf_counter() - t0
+
+    def table_rows(self, seq_ids: list[Hashable]) -> np.ndarray:
+        """Host-side block table: int32 ``[len(seq_ids), max blocks]`` padded with -1."""
+        seqs = [self._get(s) for s in seq_ids]
+        width = max((len(s.slots) for s in seqs), default=0)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in zip(table, seqs):
+            row[: len(seq.slots)] = seq.slots
+        return table
+
+    def before_compute(self) -> None:
+        """S5: every queued copy is submitted and compute waits for it."""
+        t0 = time.perf_counter()
+        self.engine.before_compute()
+        self.transfer_seconds += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        """Blocks filled in this step enter the prefix index; deferred releases run."""
+        t0 = time.perf_counter()
+        if self.enable_reuse:
+            for seq in self._dirty.values():
+                self._register_full_blocks(seq)
+        self._dirty.clear()
+        for seq in self._deferred_release:
+            self._free_blocks(seq)
+        self._deferred_release.clear()
+        self.counters.steps += 1
+        self.bookkeeping_seconds += time.perf_counter() - t0
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = len(seq.tokens) // self.tpb
+        if full <= seq.num_hashed:
+            return
+        meta = self.meta
+        hashes = chain_hashes(seq.parent, token_bytes(seq.tokens), seq.num_hashed,
+                              full - seq.num_hashed, self.tpb)
+        for h, s in zip(hashes, seq.slots[seq.num_hashed : full]):
+            meta.hi_mv[s], meta.lo_mv[s] = split(h)
+            if self.index.insert(s):
+                meta.state_mv[s] = CACHED
+            # else: another slot already holds this block; this copy stays private.
+        seq.num_hashed = full
+        seq.parent = digest_bytes(hashes[-1])
+
+    def release(self, seq_id: Hashable) -> None:
+        """The sequence is done. Its full blocks stay cached (evictable); the rest are
+        freed. If it got tokens in the current step, this happens at ``end_step``."""
+        seq = self._get(seq_id)
+        del self.seqs[seq_id]
+        seq.released = True
+        if seq_id in self._dirty:
+            self._deferred_release.append(seq)
+        else:
+            self._free_blocks(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        meta, lru, free = self.meta, self.lru[GPU], self.free[GPU]
+        # Last block first: the tail of a prefix becomes the older entry, so it is
+        # evicted before the blocks it depends on.
+        for s in reversed(seq.slots):
+            r = meta.ref_mv[s] - 1
+            meta.ref_mv[s] = r
+            if r == 0:
+                if meta.state_mv[s] == CACHED:
+                    lru.push(s)
+                else:
+                    meta.state_mv[s] = FREE
+                    free.push(s)
+
+    def _get(self, seq_id: Hashable) -> Sequence:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def synchronize(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.synchronize()
+        self.transfer_seconds += time.perf_counter() - t0
+
+    # -- observability ---------------------------------------------------------------------------
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(TIER_NAMES[t] for t in (GPU, HOST, DISK) if self.has_tier(t))
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """{tier: (used, free)} blocks."""
+        return {TIER_NAMES[t]: (self.space.capacity[t] - len(self.free[t]), len(self.free[t]))
+                for t in (GPU, HOST, DISK) if self.has_tier(t)}
+
+    def metadata_bytes(self) -> int:
+        stacks = sum(f._items.nbytes for f in self.free if f is not None)
+        return self.meta.nbytes + self.index.nbytes + stacks
+
+    def check_invariants(self) -> None:
+        """Verify the structural invariants of the module docstring (O(total slots))."""
+        meta, space = self.meta, self.space
+        state, ref = meta.state, meta.refcnt
+        expected_ref = np.zeros(space.total, dtype=np.int64)
+        for seq in list(self.seqs.values()) + self._deferred_release:
+            assert len(seq.slots) == -(-len(seq.tokens) // self.tpb), f"{seq.seq_id}: slots/tokens"
+            np.add.at(expected_ref, np.asarray(seq.slots, dtype=np.int64), 1)
+        assert np.array_equal(expected_ref, ref), "refcounts differ from sequence references"
+        assert (ref[space.base[HOST]:] == 0).all(), "a host/disk slot is referenced"
+        assert not (state[space.base[HOST]:] == ACTIVE).any(), "an ACTIVE slot outside the GPU tier"
+        assert ((state != FREE) | (ref == 0)).all(), "a FREE slot is referenced"
+        assert ((state != ACTIVE) | (ref > 0)).all(), "an ACTIVE slot is unreferenced"
+        for t in (GPU, HOST, DISK):
+            lo, hi = space.base[t], space.base[t] + space.capacity[t]
+            if not space.capacity[t]:
+                continue
+            free = self.free[t].snapshot()
+            assert len(np.unique(free)) == len(free), f"{TIER_NAMES[t]}: a slot is free twice"
+            assert ((free >= lo) & (free < hi)).all(), f"{TIER_NAMES[t]}: foreign slot on free stack"
+            assert (state[free] == FREE).all(), f"{TIER_NAMES[t]}: non-FREE slot on free stack"
+            assert (state[lo:hi] == FREE).sum() == len(free), f"{TIER_NAMES[t]}: FREE slot not on stack"
+            self.lru[t].check_invariants()
+            in_lru = np.fromiter(iter(self.lru[t]), dtype=np.int64)
+            assert ((in_lru >= lo) & (in_lru < hi)).all(), f"{TIER_NAMES[t]}: foreign slot in lru"
+            assert (state[in_lru] == CACHED).all() and (ref[in_lru] == 0).all(), \
+                f"{TIER_NAMES[t]}: eviction list holds a referenced or uncached slot"
+            unref_cached = ((state[lo:hi] == CACHED) & (ref[lo:hi] == 0)).sum()
+            assert unref_cached == len(in_lru), f"{TIER_NAMES[t]}: cached slot missing from lru"
+        self.index.check_invariants()
+        indexed = np.sort(self.index.slots())
+        assert np.array_equal(indexed, np.flatnonzero(state == CACHED)), "index != CACHED slots"
+

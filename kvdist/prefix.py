@@ -1,0 +1,148 @@
+"""Chained block hashes and the compact prefix index.
+
+A full block's hash is ``xxh3_128(parent_digest || token_ids as int32)``; the first
+block's parent is a salt derived from the model geometry, so caches of different
+shapes never share a hash. 128 bits keep the chance that a lookup of a never-seen
+prefix hits a stored block at about n / 2**128 — far below one in the lifetime of any
+deployment (64 bits would give one false hit per ~1e12 lookups at 16M blocks).
+
+The index is an open-addressing table of int32 slot ids with linear probing and
+backward-shift deletion (no tombstones, so probe lengths stay short under churn).
+Keys are not stored in the table: the slot's hash lives in :class:`BlockMeta`, which
+costs the index 4 bytes per table entry, 8–16 per block at load ≤ 0.5."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import xxhash
+
+from .blocks import NO_SLOT, BlockMeta
+
+_MASK64 = (1 << 64) - 1
+_hash128 = xxhash.xxh3_128_intdigest
+
+
+def token_bytes(tokens) -> memoryview:
+    """Token ids as little-endian int32 bytes (the hash input)."""
+    try:
+        return memoryview(array("i", tokens)).cast("B")
+    except OverflowError:
+        raise ValueError("token ids must fit in int32") from None
+
+
+def block_hash(parent: bytes, tok: memoryview, block: int, tokens_per_block: int) -> int:
+    """Hash (a 128-bit int) of block ``block`` of a token stream whose previous block
+    has digest ``parent``."""
+    stride = 4 * tokens_per_block
+    off = block * stride
+    return _hash128(parent + tok[off : off + stride])
+
+
+def chain_hashes(parent: bytes, tok: memoryview, first_block: int, n_blocks: int,
+                 tokens_per_block: int) -> list[int]:
+    """Hashes (128-bit ints) of blocks ``first_block .. first_block+n_blocks-1`` of a
+    token stream, chained from ``parent`` (the digest of the block before)."""
+    stride = 4 * tokens_per_block
+    out = []
+    off = first_block * stride
+    for _ in range(n_blocks):
+        h = _hash128(parent + tok[off : off + stride])
+        out.append(h)
+        parent = h.to_bytes(16, "little")
+        off += stride
+    return out
+
+
+def digest_bytes(h: int) -> bytes:
+    return h.to_bytes(16, "little")
+
+
+def split(h: int) -> tuple[int, int]:
+    """(hi, lo) 64-bit halves of a 128-bit hash."""
+    return h >> 64, h & _MASK64
+
+
+class PrefixIndex:
+    """Hash → slot map over the slots of every tier. Each hash lives in at most one slot."""
+
+    def __init__(self, capacity: int, meta: BlockMeta):
+        size = 16
+        while size < 2 * capacity:
+            size *= 2
+        self._table = np.full(size, NO_SLOT, dtype=np.int32)
+        self._t = memoryview(self._table)
+        self._mask = size - 1
+        self._hi = meta.hi_mv
+        self._lo = meta.lo_mv
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
+
+    def _probe(self, hi: int, lo: int) -> tuple[int, int]:
+        """(position, slot) of the key, or (first empty position, NO_SLOT)."""
+        t, mask = self._t, self._mask
+        i = lo & mask
+        while True:
+            s = t[i]
+            if s == NO_SLOT or (self._lo[s] == lo and self._hi[s] == hi):
+                return i, s
+            i = (i + 1) & mask
+
+    def find(self, h: int) -> int:
+        """Slot holding the block with hash ``h``, or NO_SLOT."""
+        return self._probe(h >> 64, h & _MASK64)[1]
+
+    def insert(self, slot: int) -> bool:
+        """Index ``slot`` under the hash stored in meta. False if that hash is already
+        indexed (another slot holds the same block); nothing changes then."""
+        i, s = self._probe(self._hi[slot], self._lo[slot])
+        if s != NO_SLOT:
+            return False
+        assert self._len < self._mask, "prefix index full"
+        self._t[i] = slot
+        self._len += 1
+        return True
+
+    def _position(self, slot: int) -> int:
+        i, s = self._probe(self._hi[slot], self._lo[slot])
+        assert s == slot, f"slot {slot} is not indexed under its hash (found {s})"
+        return i
+
+    def retarget(self, old: int, new: int) -> None:
+        """The block of slot ``old`` now lives in slot ``new`` (meta already copied)."""
+        self._t[self._position(old)] = new
+
+    def remove(self, slot: int) -> None:
+        """Drop ``slot``'s entry; backward-shift the cluster behind it."""
+        t, mask, lo = self._t, self._mask, self._lo
+        i = self._position(slot)
+        j = i
+        while True:
+            j = (j + 1) & mask
+            s = t[j]
+            if s == NO_SLOT:
+                break
+            home = lo[s] & mask
+            # Move s back into the hole at i unless its home lies cyclically in (i, j].
+            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
+                t[i] = s
+                i = j
+        t[i] = NO_SLOT
+        self._len -= 1
+
+    def slots(self) -> np.ndarray:
+        return self._table[self._table != NO_SLOT]
+
+    def check_invariants(self) -> None:
+        occupied = self.slots()
+        assert len(occupied) == self._len, f"index holds {len(occupied)}, length says {self._len}"
+        assert len(np.unique(occupied)) == len(occupied), "a slot is indexed twice"
+        for s in occupied.tolist():
+            assert self._position(s) >= 0

@@ -1,0 +1,162 @@
+"""The public façade: ``kvdist.create`` runs the start-up protocol over the library's
+communicator and returns a :class:`KVCache`, the per-rank cache an engine drives
+step by step (DESIGN §2)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+import torch
+
+from .blocks import TIER_NAMES
+from .config import CacheConfig, load_config
+from .dist import comm as dist_comm
+from .dist.consensus import InitStatus, establish
+from .eviction import DEFAULT_PRIORITY
+from .layout import KVLayout
+from .local import LocalCache, build_local, plan_capacity, select_device
+
+
+class KVCache:
+    """One rank's tiered, paged KV cache. Not thread-safe: one scheduler thread drives it."""
+
+    def __init__(self, local: LocalCache, comm, status: InitStatus):
+        self._local = local
+        self._comm = comm
+        self.manager = local.manager
+        self.rank: int = comm.rank
+        self.world_size: int = comm.size
+        self.init_status: InitStatus = status
+        self.device: torch.device = local.device
+        self.tiers: tuple[str, ...] = local.tiers
+        self.config: CacheConfig = local.cfg
+        self._closed = False
+
+    # -- one scheduler step -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start a step: the copy streams wait for the compute stream (S4)."""
+        self.manager.begin_step()
+
+    def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
+                     priority: int = DEFAULT_PRIORITY) -> int:
+        """Admit a prompt; returns how many of its tokens are reused from the cache.
+        Raises OutOfBlocksError (nothing changed) when it cannot fit."""
+        return self.manager.add_sequence(seq_id, tokens, priority)
+
+    def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
+        """Grow a sequence by decoded tokens whose K/V this step writes."""
+        self.manager.append_tokens(seq_id, tokens)
+
+    def block_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """int32 ``[len(seq_ids), max blocks]`` on ``device``, rows padded with -1. Ends
+        scheduling for the step: compute waits for the copies queued so far (S5)."""
+        rows = self.manager.table_rows(list(seq_ids))
+        table = torch.from_numpy(rows)
+        if self.device.type != "cpu":
+            table = table.to(self.device)  # pageable source: the copy is done on return
+        self.manager.before_compute()
+        return table
+
+    def kv_pool(self, layer: int) -> torch.Tensor:
+        """``[num_gpu_blocks, 2, tokens_per_block, kv_heads, head_dim]``: K at index 0 of
+        dim 1, V at index 1."""
+        return self._local.gpu.kv_pool(layer)
+
+    def end_step(self) -> None:
+        """Blocks filled in this step become reusable."""
+        self.manager.end_step()
+
+    def release(self, seq_id: Hashable) -> None:
+        """The sequence is finished; its full blocks stay cached."""
+        self.manager.release(seq_id)
+
+    def synchronize(self) -> None:
+        """Block the host until every queued tier copy has run."""
+        self.manager.synchronize()
+
+    # -- observability -------------------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self._local.layout
+
+    def stats(self) -> dict:
+        """Counters of DESIGN §6 plus per-direction block counts and timings."""
+        m = self.manager
+        c = m.counters
+        bpb = self.layout.bytes_per_block
+        usage = m.usage()
+        moved = c.blocks_moved
+        engine = m.engine
+        return {
+            "tiers": list(self.tiers),
+            "init_status": self.init_status.name,
+            "blocks_used": {t: u for t, (u, _) in usage.items()},
+            "blocks_free": {t: f for t, (_, f) in usage.items()},
+            "capacity_blocks": {t: u + f for t, (u, f) in usage.items()},
+            "hit_tokens": {TIER_NAMES[t]: c.hit_tokens[t] for t in range(3) if m.has_tier(t)},
+            "prompt_tokens": c.prompt_tokens,
+            "bytes_offloaded": (moved["offload"] + moved["spill"]) * bpb,
+            "bytes_onboarded": (moved["onboard"] + moved["fetch"]) * bpb,
+            "bytes_demoted": moved["demote"] * bpb,
+            "blocks_moved": dict(moved),
+            "evictions": sum(c.evictions),
+            "evictions_by_tier": {TIER_NAMES[t]: c.evictions[t] for t in range(3) if m.has_tier(t)},
+            "dropped": c.dropped,
+            "transfer_seconds": m.transfer_seconds,
+            "bookkeeping_seconds": m.bookkeeping_seconds,
+            "transfer_path": getattr(engine.executor, "path", "unknown"),
+            "transfer_batches": engine.stats.batches,
+            "sequences": len(m.seqs),
+            "steps": c.steps,
+            "block_bytes": bpb,
+            "metadata_bytes": m.metadata_bytes(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def check_invariants(self) -> None:
+        self.manager.check_invariants()
+
+    # -- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free every tier (collective over the cache's communicator; idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._local.teardown()
+        finally:
+            self._comm.free()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"KVCache(rank={self.rank}/{self.world_size}, tiers={self.tiers}, "
+                f"device={self.device}, status={self.init_status.name})")
+
+
+def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
+    """Build the cache on every rank of ``comm`` (collective). ``comm=None`` uses a Dup
+    of COMM_WORLD when MPI is running, else a single-rank job without MPI."""
+    cfg = load_config(cfg)
+    c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
+    try:
+        device = select_device(cfg.cache.device, c.local_rank)
+        layout = KVLayout.from_config(cfg)
+        capacity = plan_capacity(cfg, layout, device, c.local_size)
+
+        def build(with_host: bool, fallback: bool) -> LocalCache:
+            return build_local(cfg, capacity, device, c.rank, with_host=with_host, fallback=fallback)
+
+        local, status = establish(c, build)
+    except BaseException:
+        c.free()
+        raise
+    return KVCache(local, c, status)
+
+
+__all__ = ["KVCache", "create"]

@@ -1,0 +1,123 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvdist
+from kvdist.config import parse_size
+
+from .conftest import make_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_config_loads():
+    cfg = kvdist.load_config(ROOT / "configs" / "default.yaml")
+    assert isinstance(cfg, kvdist.CacheConfig)
+    assert cfg.cache.tokens_per_block == 16
+    assert kvdist.load_config(cfg) is cfg
+
+
+@pytest.mark.parametrize("text,expected", [
+    (4096, 4096), ("4096", 4096), ("64MiB", 64 << 20), ("2GiB", 2 << 30), ("2 GB", 2 * 10**9),
+    ("1.5KiB", 1536), ("10KB", 10_000), (0, 0),
+])
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_dict_and_yaml_agree(tmp_path):
+    d = make_cfg(cache={"host": {"bytes": "1MiB"}})
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(d))
+    assert kvdist.load_config(p) == kvdist.load_config(d)
+    assert kvdist.load_config(p).cache.host.bytes == 1 << 20
+    assert kvdist.load_config(p).digest() == kvdist.load_config(d).digest()
+
+
+BAD = [
+    ("unknown top key", {"cachee": {}}, "cachee", "unknown key"),
+    ("unknown nested key", {"cache": {"gpu": {"blocks": 8, "blokcs": 3}}}, "cache.gpu.blokcs", "unknown key"),
+    ("wrong type", {"model": {"num_layers": "two"}}, "model.num_layers", "'two'"),
+    ("bool is no int", {"model": {"head_dim": True}}, "model.head_dim", "True"),
+    ("zero blocks", {"cache": {"gpu": {"blocks": 0}}}, "cache.gpu.blocks", "0"),
+    ("negative size", {"cache": {"host": {"bytes": -5}}}, "cache.host.bytes", "-5"),
+    ("zero gpu bytes", {"cache": {"gpu": {"bytes": 0}}}, "cache.gpu.bytes", "0"),
+    ("bad unit", {"cache": {"host": {"bytes": "3 parsecs"}}}, "cache.host.bytes", "3 parsecs"),
+    ("fraction > 1", {"cache": {"gpu": {"memory_fraction": 1.5}}}, "cache.gpu.memory_fraction", "1.5"),
+    ("fraction 0", {"cache": {"gpu": {"memory_fraction": 0}}}, "cache.gpu.memory_fraction", "0"),
+    ("tpb not pow2", {"cache": {"tokens_per_block": 12}}, "cache.tokens_per_block", "12"),
+    ("unknown dtype", {"model": {"dtype": "float13"}}, "model.dtype", "float13"),
+    ("unknown device", {"cache": {"device": "tpu:0"}}, "cache.device", "tpu:0"),
+    ("priority range", {"cache": {"offload_min_priority": 101}}, "cache.offload_min_priority", "101"),
+    ("timeout", {"distributed": {"consensus_timeout_s": 0}}, "distributed.consensus_timeout_s", "0"),
+]
+
+
+@pytest.mark.parametrize("name,over,key,value", BAD, ids=[b[0] for b in BAD])
+def test_bad_values_name_key_and_value(name, over, key, value):
+    with pytest.raises(kvdist.ConfigError) as ei:
+        kvdist.load_config(make_cfg(**over))
+    assert ei.value.key == key
+    assert f"'{key}'" in str(ei.value) and value in str(ei.value)
+    assert isinstance(ei.value, ValueError)
+
+
+def test_two_gpu_sizes_rejected():
+    with pytest.raises(kvdist.ConfigError, match="cache.gpu.*exactly one"):
+        kvdist.load_config(make_cfg(cache={"gpu": {"blocks": 8, "bytes": "1MiB"}}))
+
+
+def test_missing_required_key():
+    d = make_cfg()
+    del d["model"]["head_dim"]
+    with pytest.raises(kvdist.ConfigError, match="'model.head_dim': missing required key"):
+        kvdist.load_config(d)
+
+
+def test_disk_path_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(kvdist.ConfigError) as ei:
+        kvdist.load_config(make_cfg(cache={"disk": {"bytes": "1MiB", "path": str(blocker / "sub")}}))
+    assert ei.value.key == "cache.disk.path" and str(blocker / "sub") in str(ei.value)
+
+
+def test_tier_smaller_than_a_block_names_key():
+    with pytest.raises(kvdist.ConfigError, match="cache.host.bytes.*smaller than one block"):
+        kvdist.create(make_cfg(cache={"host": {"bytes": 100}}))
+
+
+def test_cuda_device_without_cuda():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(kvdist.ConfigError, match="cache.device"):
+        kvdist.create(make_cfg(cache={"device": "cuda:0"}))
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "kvdist", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name,over,key,value", BAD[:6], ids=[b[0] for b in BAD[:6]])
+def test_cli_config_mistake_is_one_line_exit_2(tmp_path, name, over, key, value):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(make_cfg(**over)))
+    r = _cli("run", "--config", str(p))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and value in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_missing_file_and_bad_yaml(tmp_path):
+    r = _cli("run", "--config", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "nope.yaml" in r.stderr and "Traceback" not in r.stderr
+    p = tmp_path / "broken.yaml"
+    p.write_text("model: [unclosed\n")
+    r = _cli("run", "--config", str(p))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "YAML" in r.stderr

@@ -1,0 +1,214 @@
+"""The single-rank cache with exact block ids: reuse, the eviction cascade, priorities,
+errors. ``check_invariants`` runs after every operation."""
+
+import pytest
+
+import kvdist
+from kvdist.testing import IntegrityDriver
+
+
+class Checked:
+    """Runs the driver and checks the cache's invariants after every call."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.drv = IntegrityDriver(cache)
+
+    def __getattr__(self, name):
+        fn = getattr(self.drv, name)
+
+        def call(*a, **k):
+            out = fn(*a, **k)
+            self.cache.check_invariants()
+            return out
+        return call
+
+    def step(self, seq_id, tokens, priority=35, release=True):
+        self.begin()
+        reused = self.add(seq_id, tokens, priority)
+        self.compute()
+        self.end()
+        if release:
+            self.release(seq_id)
+        return reused
+
+
+def T(start, n=8):
+    return list(range(start, start + n))
+
+
+@pytest.fixture
+def make(cfg_factory):
+    caches = []
+
+    def make(**kw):
+        c = kvdist.create(cfg_factory(**kw))
+        caches.append(c)
+        return c, Checked(c)
+    yield make
+    for c in caches:
+        c.close()
+
+
+def test_reuse_exact_ids(make):
+    cache, d = make(gpu=4)
+    m = cache.manager
+    assert d.step("a", T(0, 10), release=False) == 0
+    assert m.seqs["a"].slots == [0, 1, 2]
+    d.release("a")
+    assert list(m.lru[0]) == [1, 0]  # the tail block is evicted first
+    assert m.free[0].snapshot().tolist() == [2, 3]  # the partial block was freed
+    assert d.step("b", T(0, 8) + [100, 101], release=False) == 8
+    assert m.seqs["b"].slots == [0, 1, 2]
+    with pytest.raises(kvdist.OutOfBlocksError) as ei:
+        cache.add_sequence("c", T(50, 12))
+    assert (ei.value.needed, ei.value.available) == (3, 1)
+    assert "c" not in m.seqs and m.free[0].snapshot().tolist() == [3]
+    cache.check_invariants()
+    assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
+
+
+def test_at_least_one_token_is_computed(make):
+    cache, d = make(gpu=4)
+    d.step("a", T(0, 8))
+    assert d.step("b", T(0, 8)) == 4  # 2 full blocks cached, only 1 may be reused
+    assert d.step("c", T(0, 9)) == 8
+
+
+def test_blocks_become_reusable_at_end_step(make):
+    cache, d = make(gpu=8)
+    d.begin()
+    d.add("a", T(0, 8))
+    assert d.add("b", T(0, 9)) == 0  # same step: nothing reusable yet
+    d.compute()
+    d.end()
+    # a and b each filled the two blocks; b's copies are duplicates and stay private.
+    m = cache.manager
+    assert len(m.index) == 2
+    d.release("a")
+    d.release("b")
+    assert m.free[0].snapshot().tolist()[:3] == [2, 3, 4]  # b's private copies were freed
+    assert d.step("c", T(0, 9)) == 8
+
+
+def test_release_in_the_same_step_is_deferred(make):
+    cache, d = make(gpu=4)
+    d.begin()
+    d.add("a", T(0, 8))
+    d.compute()
+    d.release("a")
+    assert len(cache.manager.index) == 0
+    d.end()
+    assert len(cache.manager.index) == 2
+    assert d.step("b", T(0, 9)) == 8
+
+
+def test_cascade_gpu_host_disk_exact(make):
+    cache, d = make(gpu=3, host=2, disk=2)
+    m = cache.manager
+    assert m.space.base == (0, 3, 5)
+    d.step("s1", T(0))
+    assert list(m.lru[0]) == [1, 0]
+    d.step("s2", T(100), release=False)
+    assert m.seqs["s2"].slots == [1, 2]
+    assert list(m.lru[1]) == [3]  # T1 block 1 went to host slot 3
+    d.release("s2")
+    d.step("s3", T(200), release=False)
+    assert m.seqs["s3"].slots == [2, 0]
+    assert list(m.lru[1]) == [4, 3] and list(m.lru[2]) == [5]
+    d.release("s3")
+    assert d.step("s4", T(0) + [99], release=False) == 8  # block 0 from host, block 1 from disk
+    assert m.seqs["s4"].slots == [2, 0, 1]
+    s = cache.stats()
+    assert s["hit_tokens"] == {"gpu": 0, "host": 4, "disk": 4}
+    assert s["blocks_moved"] == {"offload": 6, "onboard": 1, "demote": 4, "spill": 0, "fetch": 1}
+    assert s["dropped"] == 2
+    assert s["bytes_offloaded"] == 6 * 512 and s["bytes_onboarded"] == 2 * 512
+    assert s["blocks_used"] == {"gpu": 3, "host": 1, "disk": 1}
+    assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
+
+
+def test_priority_then_lru(make):
+    cache, d = make(gpu=4)
+    m = cache.manager
+    d.step("low", T(0, 4) + [1], priority=10)  # block 0 cached, low priority
+    d.step("high", T(100, 4) + [1], priority=80)  # block 2 cached
+    d.step("mid", T(200, 4) + [1], priority=35)  # block 0? no: block 1 (free stack order)
+    victims = list(m.lru[0])
+    assert [m.meta.prio[s] for s in victims] == [10, 35, 80]
+    # Two new blocks: the low and then the mid block go, the high one stays.
+    d.step("new", T(300, 8))
+    assert d.step("again-high", T(100, 4) + [2]) == 4
+    assert d.step("again-low", T(0, 4) + [2]) == 0
+
+
+def test_offload_min_priority_drops_instead(make):
+    cache, d = make(gpu=2, host=4, offload_min_priority=50)
+    d.step("low", T(0, 4) + [1], priority=10)
+    d.step("high", T(100, 4) + [1], priority=60)
+    d.step("fill", T(200, 8))  # evicts both GPU blocks
+    s = cache.stats()
+    assert s["blocks_moved"]["offload"] == 1 and s["dropped"] == 1
+    assert d.step("x", T(100, 4) + [3]) == 4 and cache.stats()["hit_tokens"]["host"] == 4
+    assert d.step("y", T(0, 4) + [3]) == 0
+
+
+def test_reuse_disabled(make):
+    cache, d = make(gpu=4, enable_reuse=False)
+    d.step("a", T(0, 8))
+    assert d.step("b", T(0, 9)) == 0
+    assert len(cache.manager.index) == 0
+
+
+def test_append_grows_and_registers(make):
+    cache, d = make(gpu=4)
+    d.begin()
+    d.add("a", T(0, 3))
+    d.compute()
+    d.end()
+    for tok in range(3, 9):
+        d.begin()
+        d.append("a", [tok])
+        d.compute()
+        d.end()
+    assert cache.manager.seqs["a"].slots == [0, 1, 2]
+    assert len(cache.manager.index) == 2
+    d.release("a")
+    assert d.step("b", T(0, 9)) == 8
+    assert d.drv.mismatched_tokens == 0
+
+
+def test_append_out_of_blocks_changes_nothing(make):
+    cache, d = make(gpu=2)
+    d.step("a", T(0, 8), release=False)
+    with pytest.raises(kvdist.OutOfBlocksError, match="needs 1 GPU blocks but only 0"):
+        cache.append_tokens("a", [1])
+    assert len(cache.manager.seqs["a"].tokens) == 8
+    cache.check_invariants()
+
+
+def test_bad_calls(make):
+    cache, d = make(gpu=4)
+    d.step("a", T(0, 3), release=False)
+    with pytest.raises(ValueError, match="already"):
+        cache.add_sequence("a", [1])
+    with pytest.raises(ValueError, match="no tokens"):
+        cache.add_sequence("b", [])
+    with pytest.raises(ValueError, match="priority"):
+        cache.add_sequence("b", [1], priority=101)
+    with pytest.raises(KeyError, match="unknown sequence 'zz'"):
+        cache.release("zz")
+    cache.check_invariants()
+
+
+def test_block_table_padding_and_pool_shape(make):
+    cache, d = make(gpu=8)
+    d.begin()
+    d.add("a", T(0, 9))
+    d.add(7, T(50, 2))
+    table = d.compute()
+    assert table.dtype.is_floating_point is False and str(table.dtype) == "torch.int32"
+    assert table.tolist() == [[0, 1, 2], [3, -1, -1]]
+    assert tuple(cache.kv_pool(1).shape) == (8, 2, 4, 2, 8)
+    with pytest.raises(IndexError):
+        cache.kv_pool(2)
