@@ -7,6 +7,7 @@ DESIGN §4 switched off, the simulated streams must corrupt (the rule-off cases)
 import random
 
 import pytest
+import torch
 
 import kvdist
 from kvdist.testing import IntegrityDriver
@@ -80,5 +81,21 @@ def test_no_disk_tier_spills_gpu_to_disk_without_host(cfg_factory):
         assert cache.tiers == ("gpu", "disk")
         assert s["blocks_moved"]["spill"] > 0 and s["hit_tokens"]["disk"] > 0
         assert d.mismatched_tokens == 0, d.first_mismatch
+    finally:
+        cache.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_churn_on_cuda_with_pinned_host_tier(cfg_factory):
+    """The same churn with the GPU tier in CUDA memory and a pinned host tier."""
+    cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, device="cuda"))
+    try:
+        assert cache.device.type == "cuda" and cache._local.host.raw.is_pinned()
+        d = churn(cache)
+        s = cache.stats()
+        assert all(s["hit_tokens"][t] > 0 for t in ("gpu", "host", "disk")), s["hit_tokens"]
+        assert d.mismatched_tokens == 0, d.first_mismatch
+        print(f"\nCUDA churn: {d.checked_tokens} reused tokens checked, 0 mismatched, "
+              f"hits {s['hit_tokens']}, moved {s['blocks_moved']}, path {s['transfer_path']}")
     finally:
         cache.close()
