@@ -1,0 +1,14 @@
+# Source this first in every device-machine script (from the repo root):
+#   source gpu/env.sh
+# Installs the carried wheels (.whl/: mpich, mpi4py, pytest-mpi, pydantic...) into
+# /tmp/site and points mpi4py at MPICH's libmpi (the image also has Open MPI's, which
+# mpi4py would otherwise pick, giving every rank rank 0).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD
+export PATH=/tmp/site/bin:$PATH
+export LD_LIBRARY_PATH=/tmp/site/lib:${LD_LIBRARY_PATH:-}
+export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
+export MPIEXEC=/tmp/site/bin/mpiexec
+export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-300}
+export PYTHONUNBUFFERED=1
