@@ -159,21 +159,37 @@ class DistributedConfig(_Section):
     check_consistency_every: int = Field(default=0, ge=0)  # steps; 0 = never automatically
 
 
+def _token_range(value: object) -> tuple[int, int]:
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            and 0 < value[0] <= value[1]):
+        return (value[0], value[1])
+    raise ValueError("must be [min, max]: two positive ints with min <= max")
+
+
+TokenRange = Annotated[tuple[int, int], BeforeValidator(_token_range)]
+
+
 class WorkloadConfig(_Section):
-    """The synthetic serving trace of ``python -m kvdist run`` (ignored by the cache)."""
+    """The synthetic serving trace and tiny model of ``python -m kvdist run`` (ignored by
+    the cache). Ranges are ``[min, max]``, drawn uniformly."""
 
     requests: int = Field(default=400, gt=0)
     seed: int = 0
     system_prompts: int = Field(default=4, gt=0)
     system_prompt_tokens: int = Field(default=256, gt=0)
-    conversations: int = Field(default=64, gt=0)
-    user_tokens: tuple[int, int] = (16, 96)
-    output_tokens: tuple[int, int] = (8, 32)
+    conversations: int = Field(default=64, gt=0)  # chats alive at once (the working set)
+    turns: TokenRange = (1, 8)  # requests per chat; each resends the whole history
+    user_tokens: TokenRange = (16, 96)
+    output_tokens: TokenRange = (8, 32)
     arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
-    max_batch: int = Field(default=16, gt=0)
+    max_batch: int = Field(default=16, gt=0)  # sequences per step (prefills + decodes)
+    max_prefill_tokens: int = Field(default=2048, gt=0)  # prompt tokens admitted per step
+    priority: int = Field(default=35, ge=0, le=100)
     vocab_size: int = Field(default=512, gt=1)
-    hidden: int = Field(default=64, gt=0)
-    verify_logits_every: int = Field(default=25, ge=0)  # requests; 0 = never
+    hidden: int = Field(default=64, gt=0)  # the tiny model's width
+    verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
+    check_consistency_every: int = Field(default=50, ge=0)  # steps; 0 = never
 
 
 class CacheConfig(_Section):
