@@ -4,13 +4,21 @@ at the named site, to rehearse failures on a real job (DESIGN §2).
 Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``build``
 (any other error while building the local cache), ``fallback_build`` (error while
 rebuilding without the host tier), ``stall`` (the rank never reaches the consensus
-collective). ``site@*`` fails every rank."""
+collective). ``site@*`` fails every rank.
+
+Where each site fires: ``build`` and ``host_tier`` while the local candidate is built
+(the latter only when a host tier is planned), ``fallback_build`` while it is rebuilt
+without the host tier after USE_NO_HOST, ``stall`` after the local build, just before
+the phase-1 collective. A stalled rank sleeps for :func:`stall_seconds` — longer than
+its peers wait — then tears its candidate down and raises ConsensusTimeout itself, so
+a drill under ``mpiexec`` still ends on every rank."""
 
 from __future__ import annotations
 
 import os
+import time
 
-from .errors import ConfigError, HostTierUnavailable, KVDistError
+from .errors import ConfigError, ConsensusTimeout, HostTierUnavailable, KVDistError
 
 SITES = ("host_tier", "build", "fallback_build", "stall")
 ENV = "KVDIST_FAULTS"
@@ -48,8 +56,27 @@ def active(site: str, rank: int, spec: str | None = None) -> bool:
 
 def inject(site: str, rank: int) -> None:
     """Raise the drill's error for ``site`` if it is active on ``rank``."""
+    assert site != "stall", "a stall is not an error: use stall()"
     if not active(site, rank):
         return
     if site == "host_tier":
         raise HostTierUnavailable(f"fault drill {ENV}: host tier unavailable on rank {rank}")
     raise KVDistError(f"fault drill {ENV}: {site} failed on rank {rank}")
+
+
+def stall_seconds(timeout_s: float) -> float:
+    """How long a stalled rank sleeps: well past its peers' ``timeout_s``, so they give
+    up first even when their builds were slower than this rank's."""
+    return 1.5 * timeout_s + min(2.0, timeout_s)
+
+
+def stall(rank: int, timeout_s: float) -> None:
+    """If the drill stalls ``rank``: sleep past the peers' deadline, then raise
+    ConsensusTimeout without ever entering the collective."""
+    if not active("stall", rank):
+        return
+    seconds = stall_seconds(timeout_s)
+    time.sleep(seconds)
+    raise ConsensusTimeout(
+        f"fault drill {ENV}: rank {rank} stalled for {seconds:g} s before the consensus "
+        f"collective; its peers gave up after {timeout_s:g} s")

@@ -4,6 +4,7 @@ allocated until ``teardown()``, which frees them all (also after a partial build
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,7 +16,10 @@ from .errors import ConfigError
 from .layout import KVLayout
 from .manager import CacheManager
 from .storage import DiskPool, GpuPool, HostPool
+from .storage.sizing import auto_host_bytes
 from .transfer import HostCopies, SimExecutor, SyncExecutor
+
+log = logging.getLogger("kvdist.local")
 
 
 def select_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -69,8 +73,12 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
                 else available_host_memory() // max(local_ranks, 1))
         gpu = _blocks("cache.gpu.memory_fraction", int(free * c.gpu.memory_fraction), layout)
     if c.host.bytes == "auto":
-        share = available_host_memory() * c.host.auto_memory_fraction / max(local_ranks, 1)
-        host = layout.blocks_in(int(min(share, gpu * layout.bytes_per_block * c.host.auto_gpu_ratio)))
+        size = auto_host_bytes(gpu * layout.bytes_per_block, max(local_ranks, 1),
+                               memory_fraction=c.host.auto_memory_fraction,
+                               gpu_ratio=c.host.auto_gpu_ratio, pinned=device.type == "cuda",
+                               check_memlock=c.host.check_memlock)
+        log.info("%s", size.describe())
+        host = layout.blocks_in(size.nbytes)
     else:
         host = _blocks("cache.host.bytes", c.host.bytes, layout)
     disk = _blocks("cache.disk.bytes", c.disk.bytes, layout) if c.disk.path else 0
@@ -130,9 +138,14 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
         local.gpu = GpuPool(layout, gpu_n, device)
         if host_n:
             faults.inject("host_tier", rank)
-            local.host = HostPool(layout, host_n, pin=device.type == "cuda")
+            h = cfg.cache.host
+            local.host = HostPool(layout, host_n, pin=device.type == "cuda", device=device,
+                                  chunk_bytes=h.chunk_bytes, prefault_threads=h.prefault_threads,
+                                  check_memlock=h.check_memlock, huge_pages=h.huge_pages, rank=rank)
         if disk_n:
-            local.disk = DiskPool(layout, disk_n, cfg.cache.disk.path, rank)
+            d = cfg.cache.disk
+            local.disk = DiskPool(layout, disk_n, d.path, rank, io_threads=d.io_threads,
+                                  o_direct=d.o_direct)
         if device.type == "cuda":
             from .transfer.cuda import CudaExecutor
 
@@ -149,3 +162,26 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
         local.teardown()
         raise
 
+
+
+class LocalBuilder:
+    """This rank's side of the start-up protocol (``kvdist.dist.consensus.Builder``):
+    ``plan`` picks the device and the capacity it could allocate (no allocation),
+    ``build`` allocates a candidate of the capacity all ranks agreed on."""
+
+    def __init__(self, cfg: CacheConfig, rank: int, local_rank: int = 0, local_size: int = 1):
+        self.cfg = cfg
+        self.rank = rank
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.layout = KVLayout.from_config(cfg)
+        self.device: torch.device | None = None
+
+    def plan(self) -> tuple[int, int, int]:
+        self.device = select_device(self.cfg.cache.device, self.local_rank)
+        return plan_capacity(self.cfg, self.layout, self.device, self.local_size)
+
+    def build(self, capacity: tuple[int, int, int], *, with_host: bool, fallback: bool) -> LocalCache:
+        assert self.device is not None, "plan() before build()"
+        return build_local(self.cfg, capacity, self.device, self.rank,
+                           with_host=with_host, fallback=fallback)

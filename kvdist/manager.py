@@ -22,6 +22,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from .blocks import (
     ACTIVE,
@@ -355,6 +356,34 @@ class CacheManager:
     def metadata_bytes(self) -> int:
         stacks = sum(f._items.nbytes for f in self.free if f is not None)
         return self.meta.nbytes + self.index.nbytes + stacks
+
+    def state_digest(self) -> bytes:
+        """xxh3-128 of the state that decides this cache's future behaviour: capacities,
+        each slot's state, refcount and (when live) priority and hash, the eviction-list
+        links, the free stacks, the prefix index and the sequences. Ranks fed the same
+        request stream have equal digests (``KVCache.check_consistency``). O(slots)."""
+        meta = self.meta
+        live = meta.state != FREE
+        # Dead slots keep stale hashes/priorities/links; only what is live is compared.
+        listed = (meta.state == CACHED) & (meta.refcnt == 0)
+        h = xxhash.xxh3_128()
+        h.update(np.asarray(self.space.capacity, dtype=np.int64))
+        for a in (meta.state, meta.refcnt, np.where(live, meta.prio, 0),
+                  np.where(live, meta.hash_hi, 0), np.where(live, meta.hash_lo, 0),
+                  np.where(listed, meta.prev, NO_SLOT), np.where(listed, meta.next, NO_SLOT),
+                  np.sort(self.index.slots())):
+            h.update(np.ascontiguousarray(a))
+        for stack in self.free:
+            if stack is not None:
+                h.update(stack.snapshot())
+        pending = [s.seq_id for s in self._deferred_release]
+        h.update(repr((len(self.seqs), list(self._dirty), pending)).encode())
+        for seq in self.seqs.values():
+            h.update(repr(seq.seq_id).encode())
+            h.update(np.array([len(seq.tokens), seq.priority, seq.num_hashed], dtype=np.int64))
+            h.update(np.asarray(seq.slots, dtype=np.int32))
+            h.update(np.asarray(seq.tokens, dtype=np.int32))
+        return h.digest()
 
     def check_invariants(self) -> None:
         """Verify the structural invariants of the module docstring (O(total slots))."""

@@ -11,17 +11,19 @@ import torch
 from .blocks import TIER_NAMES
 from .config import CacheConfig, load_config
 from .dist import comm as dist_comm
-from .dist.consensus import InitStatus, establish
+from .dist.consensus import Committed, InitStatus, InitTiming, establish, outliers
+from .errors import ConsistencyError
 from .eviction import DEFAULT_PRIORITY
 from .layout import KVLayout
-from .local import LocalCache, build_local, plan_capacity, select_device
+from .local import LocalBuilder, LocalCache
 
 
 class KVCache:
     """One rank's tiered, paged KV cache. Not thread-safe: one scheduler thread drives it."""
 
-    def __init__(self, local: LocalCache, comm, status: InitStatus):
+    def __init__(self, local: LocalCache, comm, status: InitStatus, init: Committed | None = None):
         self._local = local
+        self._init = init
         self._comm = comm
         self.manager = local.manager
         self.rank: int = comm.rank
@@ -30,6 +32,7 @@ class KVCache:
         self.device: torch.device = local.device
         self.tiers: tuple[str, ...] = local.tiers
         self.config: CacheConfig = local.cfg
+        self._check_every = local.cfg.distributed.check_consistency_every
         self._closed = False
 
     # -- one scheduler step -----------------------------------------------------------------
@@ -65,6 +68,8 @@ class KVCache:
     def end_step(self) -> None:
         """Blocks filled in this step become reusable."""
         self.manager.end_step()
+        if self._check_every and self.manager.counters.steps % self._check_every == 0:
+            self.check_consistency()
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence is finished; its full blocks stay cached."""
@@ -112,27 +117,48 @@ class KVCache:
             "metadata_bytes": m.metadata_bytes(),
             "rank": self.rank,
             "world_size": self.world_size,
+            "init_seconds": self._init.timing.as_dict() if self._init else {},
+            "init_failures": dict(self._init.failures) if self._init else {},
         }
 
     def check_invariants(self) -> None:
         self.manager.check_invariants()
 
+    def check_consistency(self) -> None:
+        """Collective: compare a digest of every rank's cache state (prefix index, tier
+        occupancy, sequences); raise ConsistencyError on every rank, naming the ranks
+        that differ from the majority, when they diverged. TP ranks fed the same request
+        stream must never diverge. Runs by itself every
+        ``distributed.check_consistency_every`` end_steps when that is set."""
+        digests = self._comm.allgather(self.manager.state_digest(), "cache state digest")
+        ref, diverged = outliers(digests)
+        if diverged:
+            raise ConsistencyError(
+                f"cache state diverged at step {self.manager.counters.steps}: rank(s) "
+                f"{', '.join(map(str, diverged))} differ from rank {ref} (the majority of "
+                f"{self.world_size})", diverged)
+
     # -- teardown --------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Free every tier (collective over the cache's communicator; idempotent)."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Free every tier (collective over the cache's communicator; idempotent). Each
+        rank frees its own tiers first, then waits (bounded by the consensus timeout)
+        until every rank has, so no rank's memory or disk file outlives close() anywhere."""
         if self._closed:
             return
         self._closed = True
         try:
             self._local.teardown()
+            if wait_for_peers:
+                self._comm.barrier("close")
         finally:
             self._comm.free()
 
     def __enter__(self) -> KVCache:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Leaving by an exception: peers may not be closing, do not wait for them.
+        self.close(wait_for_peers=exc_type is None)
 
     def __repr__(self) -> str:
         return (f"KVCache(rank={self.rank}/{self.world_size}, tiers={self.tiers}, "
@@ -140,23 +166,19 @@ class KVCache:
 
 
 def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
-    """Build the cache on every rank of ``comm`` (collective). ``comm=None`` uses a Dup
-    of COMM_WORLD when MPI is running, else a single-rank job without MPI."""
+    """Build the cache on every rank of ``comm`` (collective; DESIGN §5). ``comm=None``
+    uses a Dup of COMM_WORLD when MPI is running, else a single-rank job without MPI.
+    Raises on every rank, with nothing left allocated, when the ranks agree to abort."""
     cfg = load_config(cfg)
-    c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
+    timing = InitTiming()
+    with timing.clock("consensus"):
+        c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
     try:
-        device = select_device(cfg.cache.device, c.local_rank)
-        layout = KVLayout.from_config(cfg)
-        capacity = plan_capacity(cfg, layout, device, c.local_size)
-
-        def build(with_host: bool, fallback: bool) -> LocalCache:
-            return build_local(cfg, capacity, device, c.rank, with_host=with_host, fallback=fallback)
-
-        local, status = establish(c, build)
+        done = establish(c, cfg, LocalBuilder(cfg, c.rank, c.local_rank, c.local_size), timing)
     except BaseException:
         c.free()
         raise
-    return KVCache(local, c, status)
+    return KVCache(done.candidate, c, done.status, done)
 
 
 __all__ = ["KVCache", "create"]
