@@ -1,0 +1,384 @@
+"""The main job's loop: every rank runs the same seeded scheduler (SPMD) over the
+trace, drives its own cache through the public API, runs its heads of the tiny
+model against the cache, and verifies what the cache hands back.
+
+Per step: ``begin_step`` → ``add_sequence`` for admitted prompts and
+``append_tokens`` for decodes → ``block_table`` → check every reused block against
+its reference digest → the model's forward pass through ``kv_pool`` (one allreduce
+per layer) → ``end_step`` → ``release`` of finished requests. Every step the ranks
+also confirm that they reused the same prefixes (their caches must decide alike);
+every ``workload.check_consistency_every`` steps ``cache.check_consistency()``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import CacheConfig
+from ..errors import ConsistencyError
+from ..service import KVCache, create
+from ..storage.gpu import torch_dtype
+from .integrity import BlockLedger
+from .metrics import MetricsServer, Timeline, snapshot_from
+from .model import Segment, TinyModel
+from .parallel import TensorParallel
+from .plots import write_plots
+from .report import human_bytes, new_run_dir, point_latest, render, write_results
+from .scheduler import Scheduler, StepPlan
+from .shadows import Shadows
+from .workload import Trace, generate
+
+
+def logits_tolerance(kv_dtype: torch.dtype) -> float:
+    """Relative tolerance of the reuse-vs-recompute logits check. Both paths see K/V
+    rounded to the cache dtype, but float32 matmuls of different batch shapes may
+    differ in the last bit, which can flip a rounding of a narrow K/V dtype."""
+    bits = torch.finfo(kv_dtype).bits
+    return 1e-4 if bits >= 32 else 2e-2 if bits >= 16 else 1e-1
+
+
+@dataclass(slots=True)
+class RunOptions:
+    requests: int | None = None  # overrides workload.requests
+    out: str | None = "runs"  # None: write no run directory
+    metrics_port: int | None = None
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class _Checks:
+    logits_checked: int = 0
+    logits_failed: int = 0
+    logits_max_abs_diff: float = 0.0
+    consistency_checks: int = 0
+    consistency_error: str | None = None
+    reused_with_reuse: int = 0  # prefills that reused something (the logits sample's clock)
+
+
+@dataclass(slots=True)
+class _Clock:
+    cache_api: float = 0.0
+    model: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Simulation:
+    """One rank's part of the run."""
+
+    def __init__(self, cfg: CacheConfig, opts: RunOptions, comm=None):
+        if opts.requests is not None:
+            cfg = cfg.replace(workload={"requests": opts.requests})
+        self.cfg, self.opts = cfg, opts
+        self.w = cfg.workload
+        self.tp = TensorParallel(comm)
+        self.rank0 = self.tp.rank == 0
+        self.trace: Trace = generate(self.w)
+        self.cache: KVCache = create(cfg, comm=comm)
+        self.shadows: Shadows | None = None
+        self.server: MetricsServer | None = None
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        cache, cfg = self.cache, self.cfg
+        if cache.device.type == "cpu":  # ranks of a node share its cores
+            cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(max(1, cores // self.tp.local_size))
+        layout = cache.layout
+        self.kv_dtype = torch_dtype(layout.dtype)
+        self.capacity = dict(cache.stats()["capacity_blocks"])
+        self.sched = Scheduler(self.trace, max_batch=self.w.max_batch,
+                               max_prefill_tokens=self.w.max_prefill_tokens,
+                               gpu_blocks=self.capacity["gpu"], tokens_per_block=layout.tokens_per_block)
+        self.model = TinyModel(layers=layout.num_layers, heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                               hidden=self.w.hidden, vocab=self.w.vocab_size, seed=self.w.seed, tp=self.tp,
+                               device=cache.device, kv_dtype=self.kv_dtype,
+                               tokens_per_block=layout.tokens_per_block)
+        self.ledger = BlockLedger(layout, cache.device, seed=self.w.seed)
+        self.tolerance = logits_tolerance(self.kv_dtype)
+        self.checks = _Checks()
+        self.clock = _Clock()
+        self.placement = self.tp.gather((socket.gethostname(), self.tp.local_rank, str(cache.device)))
+        if self.rank0:
+            solo = None
+            if self.tp.mpi is not None:  # the replays are this rank's alone
+                from mpi4py import MPI
+
+                solo = MPI.COMM_SELF
+            self.shadows = Shadows(cfg, self.capacity["gpu"], self.w.priority, comm=solo)
+            self.timeline = Timeline({t: self.capacity[t] for t in cache.tiers})
+            if self.opts.metrics_port is not None:
+                self.server = MetricsServer(self.opts.metrics_port)
+
+    # -- one step --------------------------------------------------------------------------------
+    def _step(self, plan: StepPlan) -> list[int]:
+        cache, w = self.cache, self.w
+        t0 = time.perf_counter()
+        cache.begin_step()
+        reused = []
+        for run in plan.prefills:
+            reused.append(cache.add_sequence(run.req.rid, run.req.prompt.tolist(), w.priority))
+            self.ledger.admit(run.req.rid, run.req.prompt)
+        appends = [(run.req.rid, int(run.req.output[run.generated - 1])) for run in plan.decodes]
+        for rid, token in appends:
+            cache.append_tokens(rid, [token])
+        table = cache.block_table([run.req.rid for run in plan.batch])
+        t1 = time.perf_counter()
+        if not self.tp.agree([len(plan.batch), *reused]):
+            raise ConsistencyError(f"ranks reused different prefixes at step {plan.step}", [])
+        self._check_reused(plan, table, reused)
+        segs = [Segment(i, n, run.req.prompt[n:]) for i, (run, n) in enumerate(zip(plan.prefills, reused))]
+        base = len(plan.prefills)
+        for j, run in enumerate(plan.decodes):
+            pos = len(run.req.prompt) + run.generated - 1
+            segs.append(Segment(base + j, pos, run.req.output[run.generated - 1: run.generated]))
+        logits, written = self.model.forward_cached(cache, table, segs)
+        offset = 0
+        for k, (seg, run) in enumerate(zip(segs, plan.batch)):
+            n = len(seg.tokens)
+            self.ledger.written(run.req.rid, seg.start, written[offset: offset + n],
+                                appended=seg.tokens if k >= base else None)
+            offset += n
+        self._check_logits(plan, reused, logits)
+        t2 = time.perf_counter()
+        cache.end_step()
+        done = self.sched.complete(plan)
+        for run in done:
+            cache.release(run.req.rid)
+            self.ledger.release(run.req.rid)
+        t3 = time.perf_counter()
+        self.clock.cache_api += (t1 - t0) + (t3 - t2)
+        self.clock.model += t2 - t1
+        if self.shadows is not None:
+            self.shadows.step([r.req for r in plan.prefills], appends, [r.req.rid for r in done])
+        every = w.check_consistency_every
+        if every and self.sched.step % every == 0:
+            self._check_consistency()
+        return [run.req.rid for run in done]
+
+    # -- the checks ------------------------------------------------------------------------------
+    def _check_reused(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> None:
+        """Digest every reused block as the cache hands it back (one gather per layer
+        for the whole step) and compare with the reference of what was written."""
+        tpb = self.cache.layout.tokens_per_block
+        picks = [(i, n // tpb) for i, n in enumerate(reused) if n]
+        if not picks:
+            return
+        rows = torch.cat([table[i, :nb] for i, nb in picks]).long()
+        blocks = torch.stack([self.cache.kv_pool(layer)[rows] for layer in range(self.model.L)], dim=1)
+        digests = self.ledger.digest(blocks)
+        at = 0
+        for i, nb in picks:
+            self.ledger.check_reused(plan.prefills[i].req.rid, digests[at: at + nb])
+            at += nb
+
+    def _check_logits(self, plan: StepPlan, reused: list[int], logits: torch.Tensor) -> None:
+        """For every ``verify_logits_every``-th request that reused a prefix, the first
+        generated token's logits must equal a from-scratch recompute's (collective: the
+        ranks agreed on ``reused`` this step, so all pick the same requests)."""
+        every = self.w.verify_logits_every
+        if not every:
+            return
+        for i, n in enumerate(reused):
+            if not n:
+                continue
+            self.checks.reused_with_reuse += 1
+            if (self.checks.reused_with_reuse - 1) % every:
+                continue
+            ref = self.model.forward_dense(plan.prefills[i].req.prompt)
+            diff = float((logits[i] - ref).abs().max())
+            scale = max(1.0, float(ref.abs().max()))
+            c = self.checks
+            c.logits_checked += 1
+            c.logits_failed += diff > self.tolerance * scale
+            c.logits_max_abs_diff = max(c.logits_max_abs_diff, diff)
+
+    def _check_consistency(self) -> None:
+        self.cache.check_consistency()  # raises ConsistencyError on every rank
+        self.checks.consistency_checks += 1
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Run every request to completion; returns the results (on every rank)."""
+        if self.rank0:
+            print(self._header(), flush=True)
+        bar = tqdm(total=len(self.trace.requests), disable=not (self.rank0 and self.opts.progress),
+                   unit="req", desc="kvdist run", dynamic_ncols=True, file=sys.stderr,
+                   mininterval=0.2 if sys.stderr.isatty() else 5.0)
+        last_update = 0.0
+        try:
+            while not self.sched.done():
+                plan = self.sched.next_step()
+                try:
+                    done = self._step(plan)
+                except ConsistencyError as e:  # every rank learns it at the same collective
+                    self.checks.consistency_error = f"step {plan.step}: {e}"
+                    break
+                if not self.rank0:
+                    continue
+                stats = self.cache.stats()
+                self.timeline.record(stats, self.shadows.reused()["gpu-only"], self.sched.finished)
+                bar.update(len(done))
+                now = time.perf_counter()
+                if now - last_update > 0.5:
+                    last_update = now
+                    prompt = max(stats["prompt_tokens"], 1)
+                    bar.set_postfix_str(f"reuse {100 * sum(stats['hit_tokens'].values()) / prompt:.0f}%, "
+                                        f"step {self.sched.step}", refresh=False)
+                    if self.server is not None:
+                        self.server.update(snapshot_from(stats, self.sched.finished,
+                                                         self.ledger.mismatched_blocks))
+        finally:
+            bar.close()
+        self.cache.synchronize()
+        return self._results()
+
+    # -- reporting -------------------------------------------------------------------------------
+    def _header(self) -> str:
+        cache, w, lay = self.cache, self.w, self.cache.layout
+        bpb = lay.bytes_per_block
+        nodes = sum(1 for _, local, _ in self.placement if local == 0)
+        where = " ".join(f"{r}->{dev}" for r, (_, _, dev) in enumerate(self.placement))
+        tiers = ", ".join(f"{t} {self.capacity[t]:,} blocks ({human_bytes(self.capacity[t] * bpb)})"
+                          for t in cache.tiers)
+        ws = self.trace.distinct_blocks(lay.tokens_per_block)
+        self.working_set = ws
+        heads = lay.num_kv_heads
+        return "\n".join([
+            f"kvdist run: {self.tp.size} ranks on {nodes} node(s), rank->device {where}",
+            f"  cache per rank: {tiers}; block = {lay.tokens_per_block} tokens x {lay.num_layers} layers x "
+            f"{heads} heads x {lay.head_dim} dims {lay.dtype} = {human_bytes(bpb)}",
+            f"  trace: {len(self.trace.requests):,} requests, {w.conversations} live chats of "
+            f"{w.turns[0]}-{w.turns[1]} turns over {w.system_prompts} system prompts of "
+            f"{w.system_prompt_tokens} tokens; {self.trace.prompt_tokens:,} prompt tokens; working set "
+            f"{ws:,} blocks = {ws / self.capacity['gpu']:.1f}x the GPU tier",
+            f"  model: {lay.num_layers} layers, {heads * self.tp.size} heads ({heads} per rank) x "
+            f"{lay.head_dim}, hidden {w.hidden}, vocab {w.vocab_size}; float32 compute on {cache.device}",
+        ])
+
+    def _results(self) -> dict:
+        s = self.cache.stats()
+        keys = ("hit_tokens", "prompt_tokens", "bytes_offloaded", "bytes_onboarded", "bytes_demoted",
+                "blocks_moved", "evictions_by_tier", "transfer_seconds", "bookkeeping_seconds",
+                "transfer_path", "capacity_blocks", "block_bytes")
+        led, c = self.ledger, self.checks
+        mine = {"stats": {k: s[k] for k in keys},
+                "ledger": [led.checked_blocks, led.mismatched_blocks, led.unknown_blocks, led.variants,
+                           led.first_mismatch],
+                "clock": [self.clock.cache_api, self.clock.model],
+                "logits": [c.logits_checked, c.logits_failed, c.logits_max_abs_diff]}
+        everyone = self.tp.gather(mine)
+        results = None
+        if self.rank0:
+            results = self._assemble(everyone)
+            if self.opts.out is not None:
+                run_dir = new_run_dir(self.opts.out)
+                results["run_dir"] = str(run_dir)
+                write_results(run_dir, results)
+                (run_dir / "timeline.json").write_text(json.dumps(self.timeline.to_json()) + "\n")
+                write_plots(run_dir, self.timeline, results["block_bytes"], self.tp.size)
+                point_latest(run_dir)
+            print("\n" + render(results), flush=True)
+            if self.opts.out is not None:
+                print(f"results: {results['run_dir']}/results.json (+ timeline.json, hit_rate.png, "
+                      f"occupancy.png, bytes_moved.png); {Path(self.opts.out) / 'latest'} points there",
+                      flush=True)
+        return self.tp.bcast(results)
+
+    def _assemble(self, everyone: list[dict]) -> dict:
+        world, steps = self.tp.size, max(self.sched.step, 1)
+        first = everyone[0]["stats"]
+        prompt = first["prompt_tokens"]
+        reused = dict(first["hit_tokens"])
+        shadow = self.shadows.reused()
+        computed = {"this run": prompt - sum(reused.values()), "gpu-only": prompt - shadow["gpu-only"],
+                    "no reuse": prompt - shadow["no reuse"]}
+        moved = sum(e["stats"][k] for e in everyone
+                    for k in ("bytes_offloaded", "bytes_onboarded", "bytes_demoted"))
+        seconds_moving = sum(e["stats"]["transfer_seconds"] for e in everyone)
+        ledgers = [e["ledger"] for e in everyone]
+        logits = [e["logits"] for e in everyone]
+        mismatches = sum(x[1] for x in ledgers)
+        integrity = {
+            "blocks_checked": sum(x[0] for x in ledgers),
+            "tokens_checked": sum(x[0] for x in ledgers) * self.cache.layout.tokens_per_block,
+            "mismatched_blocks": mismatches,
+            "unknown_blocks": sum(x[2] for x in ledgers),
+            "recomputed_variants": sum(x[3] for x in ledgers),
+            "first_mismatch": next((x[4] for x in ledgers if x[4]), None),
+            "logits_checked": logits[0][0],
+            "logits_failed": max(x[1] for x in logits),
+            "logits_max_abs_diff": max(x[2] for x in logits),
+            "logits_tolerance": self.tolerance,
+            "consistency": {"checks": self.checks.consistency_checks, "error": self.checks.consistency_error},
+        }
+        ok = (mismatches == 0 and integrity["logits_failed"] == 0 and self.checks.consistency_error is None
+              and self.sched.done())
+        return {
+            "ok": ok,
+            "world_size": world,
+            "nodes": sum(1 for _, local, _ in self.placement if local == 0),
+            "placement": [list(p) for p in self.placement],
+            "device": ",".join(sorted({dev for _, _, dev in self.placement})),
+            "tiers": list(self.cache.tiers),
+            "requests": self.sched.finished,
+            "requests_in_trace": len(self.trace.requests),
+            "prompt_tokens": prompt,
+            "reused_tokens": reused,
+            "reused_tokens_gpu_only": shadow["gpu-only"],
+            "prefill_tokens_computed": computed,
+            "prefill_tokens_saved": {"vs no reuse": computed["no reuse"] - computed["this run"],
+                                     "vs gpu-only": computed["gpu-only"] - computed["this run"]},
+            "working_set_blocks": self.working_set,
+            "capacity_blocks": first["capacity_blocks"],
+            "block_bytes": first["block_bytes"],
+            "evictions_by_tier": first["evictions_by_tier"],
+            "blocks_moved_per_rank": first["blocks_moved"],
+            "bytes_offloaded": sum(e["stats"]["bytes_offloaded"] for e in everyone),
+            "bytes_onboarded": sum(e["stats"]["bytes_onboarded"] for e in everyone),
+            "bytes_demoted": sum(e["stats"]["bytes_demoted"] for e in everyone),
+            "transfer_path": first["transfer_path"],
+            "transfer_gb_per_s": moved / seconds_moving / 1e9 if seconds_moving else 0.0,
+            "bookkeeping_us_per_step": 1e6 * sum(e["stats"]["bookkeeping_seconds"] for e in everyone)
+            / world / steps,
+            "cache_api_us_per_step": 1e6 * sum(e["clock"][0] for e in everyone) / world / steps,
+            "model_ms_per_step": 1e3 * sum(e["clock"][1] for e in everyone) / world / steps,
+            "integrity_mismatches": mismatches,
+            "integrity": integrity,
+            "steps": self.sched.step,
+            "seconds": time.perf_counter() - self.clock.started,
+            "config": self.cfg.normalized(),
+        }
+
+    def close(self) -> None:
+        """Free everything (collective: the cache's and the model's communicators)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.shadows is not None:
+            self.shadows.close()
+            self.shadows = None
+        try:
+            self.cache.close()
+        finally:
+            self.tp.free()
+
+
+def run(cfg: CacheConfig, opts: RunOptions | None = None, comm=None) -> dict:
+    """The whole job on every rank of ``comm`` (collective); returns the results."""
+    sim = Simulation(cfg, opts or RunOptions(), comm)
+    try:
+        return sim.run()
+    finally:
+        sim.close()

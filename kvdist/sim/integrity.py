@@ -1,0 +1,125 @@
+"""Integrity of reused K/V: every full block the model writes gets a reference digest,
+and every block the cache hands back for reuse is digested again and compared.
+
+A block is identified by its token prefix (a chain of xxh3-128 over the tokens, like
+the cache's own index but computed independently here). Its digest is a weighted sum
+of the block's 32-bit words with random odd 64-bit weights (mod 2**64), computed on
+the cache's device so the blocks never leave it: any change of one word changes the
+digest, and a different block collides with probability about 2**-63.
+
+The same prefix can legitimately be computed more than once (two requests in one
+step, or again after the cache dropped it), and float32 results may differ in the
+last bit with the batch shape, so a prefix keeps every digest written for it; a
+reused block must match one of them."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from ..layout import KVLayout
+
+_CHUNK_BYTES = 64 << 20  # bound on the digest's int64 temporaries
+
+
+@dataclass(slots=True)
+class _SeqKeys:
+    tokens: np.ndarray  # int32, every token whose K/V is (or is being) written
+    keys: list[bytes] = field(default_factory=list)  # prefix key of each full block
+    tail: torch.Tensor | None = None  # K/V of the partial last block [n, L, 2, H, D]
+
+
+class BlockLedger:
+    """Reference digests by prefix key; per-sequence keys and partial-block K/V."""
+
+    def __init__(self, layout: KVLayout, device: torch.device, seed: int = 0):
+        self.tpb = layout.tokens_per_block
+        nbytes = layout.bytes_per_block
+        self._word = torch.int32 if nbytes % 4 == 0 else torch.uint8
+        words = nbytes // (4 if self._word == torch.int32 else 1)
+        g = torch.Generator().manual_seed(0x6B76 + seed)
+        w = torch.randint(-(1 << 62), 1 << 62, (words,), generator=g, dtype=torch.int64) | 1
+        self._weights = w.to(device)
+        self._chunk = max(1, _CHUNK_BYTES // (8 * words))
+        self.ref: dict[bytes, tuple[int, ...]] = {}
+        self.seqs: dict[Hashable, _SeqKeys] = {}
+        self.checked_blocks = 0
+        self.mismatched_blocks = 0
+        self.unknown_blocks = 0  # reused blocks that were never written (also mismatches)
+        self.variants = 0  # prefixes written with more than one distinct digest
+        self.first_mismatch: str | None = None
+
+    # -- digests ------------------------------------------------------------------------------------
+    def digest(self, blocks: torch.Tensor) -> list[int]:
+        """Digests of ``blocks [n, layers, 2, tpb, heads, dim]`` (the cache's block layout)."""
+        n = blocks.shape[0]
+        words = blocks.contiguous().view(n, -1).view(self._word).to(torch.int64)
+        out = []
+        for lo in range(0, n, self._chunk):
+            out.append((words[lo: lo + self._chunk] * self._weights).sum(dim=1))
+        return torch.cat(out).tolist() if out else []
+
+    @staticmethod
+    def _chain(parent: bytes, tokens: np.ndarray) -> bytes:
+        return xxhash.xxh3_128_digest(parent + tokens.tobytes())
+
+    def _extend_keys(self, sk: _SeqKeys) -> None:
+        for i in range(len(sk.keys), len(sk.tokens) // self.tpb):
+            parent = sk.keys[-1] if sk.keys else b""
+            sk.keys.append(self._chain(parent, sk.tokens[i * self.tpb: (i + 1) * self.tpb]))
+
+    # -- the sequence's life ------------------------------------------------------------------------
+    def admit(self, seq_id: Hashable, prompt: np.ndarray) -> None:
+        sk = _SeqKeys(np.asarray(prompt, dtype=np.int32))
+        self._extend_keys(sk)
+        self.seqs[seq_id] = sk
+
+    def check_reused(self, seq_id: Hashable, digests: list[int]) -> int:
+        """Compare the digests of the sequence's first ``len(digests)`` blocks, as read
+        back from the cache, with the references. Returns how many mismatch."""
+        sk = self.seqs[seq_id]
+        bad = 0
+        for i, d in enumerate(digests):
+            known = self.ref.get(sk.keys[i])
+            if known is None or d not in known:
+                bad += 1
+                self.unknown_blocks += known is None
+                if self.first_mismatch is None:
+                    why = "never written" if known is None else "bytes differ from every write"
+                    self.first_mismatch = f"sequence {seq_id!r} block {i}: {why}"
+        self.checked_blocks += len(digests)
+        self.mismatched_blocks += bad
+        return bad
+
+    def written(self, seq_id: Hashable, start: int, kv: torch.Tensor,
+                appended: np.ndarray | None = None) -> None:
+        """Record the K/V ``kv [n, L, 2, H, D]`` the model wrote at positions ``start ..``;
+        every block they complete gets a reference digest. ``appended`` are decoded
+        tokens not yet in the sequence's token list."""
+        sk = self.seqs[seq_id]
+        if appended is not None:
+            sk.tokens = np.concatenate([sk.tokens, np.asarray(appended, dtype=np.int32)])
+            self._extend_keys(sk)
+        first_block = start // self.tpb
+        if start % self.tpb:
+            assert sk.tail is not None and len(sk.tail) == start % self.tpb, "tail out of step"
+            kv = torch.cat([sk.tail, kv])
+        full = len(kv) // self.tpb
+        if full:
+            blocks = kv[: full * self.tpb].unflatten(0, (full, self.tpb)).transpose(1, 2).transpose(2, 3)
+            for i, d in enumerate(self.digest(blocks)):
+                key = sk.keys[first_block + i]
+                known = self.ref.get(key)
+                if known is None:
+                    self.ref[key] = (d,)
+                elif d not in known:
+                    self.ref[key] = (*known, d)
+                    self.variants += len(known) == 1
+        sk.tail = kv[full * self.tpb:].clone() if len(kv) % self.tpb else None
+
+    def release(self, seq_id: Hashable) -> None:
+        del self.seqs[seq_id]

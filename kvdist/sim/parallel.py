@@ -1,0 +1,75 @@
+"""The simulation's own communicator: the tensor-parallel model's allreduces and the
+run's small agreements and gathers.
+
+It is a Dup of COMM_WORLD made through :func:`kvdist.dist.comm.resolve` (or a
+one-rank stand-in without MPI), separate from the cache's communicator, so model
+traffic never interleaves with the cache's collectives."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..dist import comm as dist_comm
+
+
+class TensorParallel:
+    """Rank, size and node-local rank of the job, plus the collectives the model needs."""
+
+    def __init__(self, comm=None):
+        self._c = dist_comm.resolve(comm)
+        self.rank: int = self._c.rank
+        self.size: int = self._c.size
+        self.local_rank: int = self._c.local_rank
+        self.local_size: int = self._c.local_size
+        self.mpi = self._c.mpi  # None for a job without MPI
+
+    def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks in place (device tensors are staged through host
+        memory: the MPI library is not assumed to be CUDA-aware)."""
+        if self.mpi is None:
+            return t
+        host = t.detach().to("cpu", copy=t.device.type != "cpu").contiguous()
+        buf = host.numpy()
+        self.mpi.Allreduce(self._c.MPI.IN_PLACE, buf, op=self._c.MPI.SUM)
+        if host.data_ptr() != t.data_ptr():
+            t.copy_(host)
+        return t
+
+    def agree(self, values: list[int]) -> bool:
+        """True when every rank passed the same ``values`` (one small MIN/MAX allreduce)."""
+        if self.mpi is None:
+            return True
+        a = np.asarray(values, dtype=np.int64)
+        both = np.concatenate([a, -a])
+        self.mpi.Allreduce(self._c.MPI.IN_PLACE, both, op=self._c.MPI.MAX)
+        return bool(np.array_equal(both[: len(a)], -both[len(a):]))
+
+    def sum_ints(self, values: list[int]) -> list[int]:
+        if self.mpi is None:
+            return list(values)
+        a = np.asarray(values, dtype=np.int64)
+        self.mpi.Allreduce(self._c.MPI.IN_PLACE, a, op=self._c.MPI.SUM)
+        return a.tolist()
+
+    def max_floats(self, values: list[float]) -> list[float]:
+        if self.mpi is None:
+            return list(values)
+        a = np.asarray(values, dtype=np.float64)
+        self.mpi.Allreduce(self._c.MPI.IN_PLACE, a, op=self._c.MPI.MAX)
+        return a.tolist()
+
+    def gather(self, obj: object) -> list | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
+
+    def bcast(self, obj: object) -> object:
+        return obj if self.mpi is None else self.mpi.bcast(obj, root=0)
+
+    def barrier(self) -> None:
+        if self.mpi is not None:
+            self.mpi.Barrier()
+
+    def free(self) -> None:
+        self._c.free()
+        self.mpi = None

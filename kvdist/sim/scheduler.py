@@ -1,0 +1,117 @@
+"""Continuous batching over a trace: every step admits arrived requests (prefills)
+next to the running ones (one decode token each).
+
+The scheduler is a pure function of the trace and its limits, so every rank (SPMD)
+and every bookkeeping replay sees the same steps. Admission reserves each request's
+worst-case GPU blocks as if nothing were reused: a step can never run out of GPU
+blocks, whatever the cache reuses, and the trace is the same with reuse switched off."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from .workload import Request, Trace
+
+
+@dataclass(slots=True)
+class Running:
+    req: Request
+    generated: int = 0  # reply tokens produced so far (the prefill produces the first)
+    reserved: int = 0  # worst-case GPU blocks
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose K/V is in the cache after this request's last step."""
+        return len(self.req.prompt) + max(self.generated - 1, 0)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    prefills: list[Running] = field(default_factory=list)
+    decodes: list[Running] = field(default_factory=list)  # each appends output[generated - 1]
+
+    @property
+    def batch(self) -> list[Running]:
+        return self.prefills + self.decodes
+
+
+class Scheduler:
+    """FIFO admission under three limits: ``max_batch`` sequences, ``max_prefill_tokens``
+    prompt tokens per step (a longer prompt runs alone), and the GPU tier's blocks."""
+
+    def __init__(self, trace: Trace, *, max_batch: int, max_prefill_tokens: int,
+                 gpu_blocks: int, tokens_per_block: int):
+        self.tpb = tokens_per_block
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.gpu_blocks = gpu_blocks
+        worst = max(trace.requests, key=lambda r: r.blocks_needed(tokens_per_block))
+        if worst.blocks_needed(tokens_per_block) > gpu_blocks:
+            raise ConfigError("cache.gpu", f"{gpu_blocks} blocks",
+                              f"request {worst.rid} needs {worst.blocks_needed(tokens_per_block)} "
+                              "blocks; enlarge the GPU tier or shorten workload.turns/user_tokens")
+        self._pending: deque[Request] = deque(trace.requests)  # in arrival order
+        self._waiting: list[Request] = []  # arrived, not admitted
+        self._finished: set[int] = set()
+        self.running: list[Running] = []
+        self.reserved = 0
+        self.step = 0
+        self.clock = 0  # the trace's time: arrivals up to ``clock`` are visible
+        self.total = len(trace.requests)
+
+    def done(self) -> bool:
+        return len(self._finished) == self.total
+
+    @property
+    def finished(self) -> int:
+        return len(self._finished)
+
+    def next_step(self) -> StepPlan:
+        """The next step's batch. Idle time (nothing running, nothing arrived) is skipped."""
+        assert not self.done(), "every request has finished"
+        if not self.running and not self._waiting:
+            self.clock = max(self.clock, self._pending[0].arrival)
+        while self._pending and self._pending[0].arrival <= self.clock:
+            self._waiting.append(self._pending.popleft())
+        plan = StepPlan(self.step, decodes=list(self.running))
+        prefill_tokens = 0
+        admitted: list[Request] = []
+        for req in self._waiting:
+            if req.after >= 0 and req.after not in self._finished:
+                continue  # the chat's previous turn is still running
+            need = req.blocks_needed(self.tpb)
+            if (len(self.running) + len(plan.prefills) >= self.max_batch
+                    or self.reserved + need > self.gpu_blocks
+                    or (plan.prefills and prefill_tokens + len(req.prompt) > self.max_prefill_tokens)):
+                break  # strict FIFO among ready requests: a large one is not starved
+            run = Running(req, reserved=need)
+            plan.prefills.append(run)
+            admitted.append(req)
+            prefill_tokens += len(req.prompt)
+            self.reserved += need
+        if admitted:
+            ids = {r.rid for r in admitted}
+            self._waiting = [r for r in self._waiting if r.rid not in ids]
+        self.running.extend(plan.prefills)
+        assert plan.batch, "a step with nothing to do"
+        return plan
+
+    def complete(self, plan: StepPlan) -> list[Running]:
+        """Account the step's generated tokens; returns the requests that finished."""
+        done = []
+        for run in plan.batch:
+            run.generated += 1
+            if run.generated == len(run.req.output):
+                done.append(run)
+        if done:
+            gone = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for r in done:
+                self._finished.add(r.req.rid)
+                self.reserved -= r.reserved
+        self.step += 1
+        self.clock += 1
+        return done

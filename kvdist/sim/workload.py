@@ -1,0 +1,108 @@
+"""The synthetic serving trace: shared system prompts, multi-turn chats that resend
+their whole history, Poisson arrivals.
+
+The trace is generated up front from ``workload.seed`` and is identical on every
+rank and in every replay. The model's replies are scripted by the trace (the
+simulated model decodes exactly these tokens), so the next turn of a chat — its
+history plus the reply plus a new user message — is known before the run starts,
+and the same trace can be replayed through bookkeeping-only caches (no model) to
+compare reuse policies on exactly the same requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ..config import WorkloadConfig
+
+
+@dataclass(slots=True)
+class Request:
+    rid: int
+    chat: int  # chat id; every chat starts with one of the system prompts
+    turn: int  # 0 for the chat's first request
+    arrival: int  # scheduler step at which the request arrives
+    prompt: np.ndarray  # int32 token ids: system prompt, history, new user message
+    output: np.ndarray  # int32: the reply the model decodes (scripted)
+    after: int  # rid of the chat's previous turn (must finish first), -1 for turn 0
+
+    def blocks_needed(self, tokens_per_block: int) -> int:
+        """GPU blocks the request holds at its largest: the prompt plus every decoded
+        token whose K/V is written (all but the last reply token)."""
+        return -(-(len(self.prompt) + len(self.output) - 1) // tokens_per_block)
+
+
+@dataclass(slots=True)
+class Trace:
+    requests: list[Request]
+    system_prompts: list[np.ndarray]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+    def distinct_blocks(self, tokens_per_block: int) -> int:
+        """Distinct full KV blocks the trace writes (prompts and decoded tokens): the
+        working set a cache would need to reuse everything reusable."""
+        seen: set[int] = set()
+        tpb = tokens_per_block
+        for r in self.requests:
+            toks = np.concatenate([r.prompt, r.output[:-1]]).astype(np.int32)
+            parent = b""
+            for i in range(len(toks) // tpb):
+                h = xxhash.xxh3_128_digest(parent + toks[i * tpb:(i + 1) * tpb].tobytes())
+                seen.add(int.from_bytes(h, "little"))
+                parent = h
+        return len(seen)
+
+
+@dataclass(slots=True)
+class _Chat:
+    chat_id: int
+    history: np.ndarray
+    turns_left: int
+    last_rid: int = -1
+
+
+def generate(w: WorkloadConfig) -> Trace:
+    """The trace of ``w.requests`` requests; a pure function of ``w``."""
+    rng = np.random.default_rng(w.seed)
+    vocab = w.vocab_size
+
+    def tokens(lo_hi: tuple[int, int]) -> np.ndarray:
+        n = int(rng.integers(lo_hi[0], lo_hi[1] + 1))
+        return rng.integers(0, vocab, n, dtype=np.int32)
+
+    systems = [rng.integers(0, vocab, w.system_prompt_tokens, dtype=np.int32)
+               for _ in range(w.system_prompts)]
+    next_chat = 0
+
+    def new_chat() -> _Chat:
+        nonlocal next_chat
+        system = systems[int(rng.integers(len(systems)))]
+        chat = _Chat(next_chat, system, int(rng.integers(w.turns[0], w.turns[1] + 1)))
+        next_chat += 1
+        return chat
+
+    live = [new_chat() for _ in range(w.conversations)]
+    requests: list[Request] = []
+    step, due = 0, int(rng.poisson(w.arrival_rate))
+    for rid in range(w.requests):
+        while due == 0:
+            step += 1
+            due = int(rng.poisson(w.arrival_rate))
+        due -= 1
+        k = int(rng.integers(len(live)))
+        chat = live[k]
+        prompt = np.concatenate([chat.history, tokens(w.user_tokens)])
+        output = tokens(w.output_tokens)
+        turn = 0 if chat.last_rid < 0 else requests[chat.last_rid].turn + 1
+        requests.append(Request(rid, chat.chat_id, turn, step, prompt, output, chat.last_rid))
+        chat.history = np.concatenate([prompt, output])
+        chat.last_rid = rid
+        chat.turns_left -= 1
+        if chat.turns_left == 0:
+            live[k] = new_chat()
+    return Trace(requests, systems)
