@@ -102,6 +102,10 @@ class HostTierConfig(_Section):
     prefault_threads: int = Field(default=0, ge=0)  # 0: one per core, at most 16
     auto_memory_fraction: float = Field(default=0.5, gt=0, le=1)
     auto_gpu_ratio: float = Field(default=4.0, gt=0)
+    # RLIMIT_MEMLOCK caps a pinned tier; false where the CUDA driver does not charge
+    # registered memory to it (the limit then only misleads).
+    check_memlock: bool = True
+    huge_pages: bool = True  # madvise(MADV_HUGEPAGE): fewer faults and page-table entries
 
     @field_validator("bytes", mode="before")
     @classmethod
