@@ -15,6 +15,7 @@ from .config import CacheConfig
 from .errors import ConfigError
 from .layout import KVLayout
 from .manager import CacheManager
+from .staging import Stager, make_stager
 from .storage import DiskPool, GpuPool, HostPool
 from .storage.sizing import auto_host_bytes
 from .transfer import HostCopies, SimExecutor, SyncExecutor
@@ -104,6 +105,7 @@ class LocalCache:
     disk: DiskPool | None = None
     executor: object = None
     manager: CacheManager | None = None
+    stager: Stager | None = None  # host->device metadata copies (rule S3)
 
     def teardown(self) -> None:
         """Free every tier (idempotent, safe after a partial build)."""
@@ -112,6 +114,9 @@ class LocalCache:
                 self.manager.synchronize()
             finally:
                 self.manager = None
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
         for pool in (self.disk, self.host, self.gpu):
             if pool is not None:
                 pool.close()
@@ -157,6 +162,7 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
             layout, (gpu_n, host_n, disk_n), local.executor,
             enable_reuse=cfg.cache.enable_reuse,
             offload_min_priority=cfg.cache.offload_min_priority)
+        local.stager = make_stager(device, local.executor)
         return local
     except BaseException:
         local.teardown()

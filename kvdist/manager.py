@@ -41,6 +41,7 @@ from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .layout import KVLayout
 from .prefix import PrefixIndex, block_hash, chain_hashes, digest_bytes, split, token_bytes
+from .staging import TableRows
 from .transfer import ALL_RULES, DIRECTIONS, TransferEngine
 
 
@@ -89,6 +90,7 @@ class CacheManager:
         self.offload_min_priority = offload_min_priority
         self.salt = layout.hash_salt()
         self.seqs: dict[Hashable, Sequence] = {}
+        self.host_table = TableRows()  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
         self._deferred_release: list[Sequence] = []
         self.counters = CacheCounters()
@@ -265,14 +267,14 @@ class CacheManager:
         self._dirty[seq_id] = seq
         self.bookkeeping_seconds += time.perf_counter() - t0
 
-    def table_rows(self, seq_ids: list[Hashable]) -> np.ndarray:
-        """Host-side block table: int32 ``[len(seq_ids), max blocks]`` padded with -1."""
-        seqs = [self._get(s) for s in seq_ids]
-        width = max((len(s.slots) for s in seqs), default=0)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for row, seq in zip(table, seqs):
-            row[: len(seq.slots)] = seq.slots
-        return table
+    def table_rows(self, seq_ids: list[Hashable], alloc=None) -> np.ndarray:
+        """Host-side block table: int32 ``[len(seq_ids), max blocks]`` padded with -1,
+        gathered from the persistent rows (only blocks new since the last table are
+        written there). ``alloc(shape, dtype)`` supplies the output, e.g. a staging buffer."""
+        rows, width = self.host_table.rows_for(seq_ids, self.seqs)
+        shape = (len(rows), width)
+        out = np.empty(shape, dtype=np.int32) if alloc is None else alloc(shape, np.int32)
+        return self.host_table.gather(rows, width, out)
 
     def before_compute(self) -> None:
         """S5: every queued copy is submitted and compute waits for it."""

@@ -26,6 +26,7 @@ class KVCache:
         self._init = init
         self._comm = comm
         self.manager = local.manager
+        self.stager = local.stager
         self.rank: int = comm.rank
         self.world_size: int = comm.size
         self.init_status: InitStatus = status
@@ -53,10 +54,10 @@ class KVCache:
     def block_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 ``[len(seq_ids), max blocks]`` on ``device``, rows padded with -1. Ends
         scheduling for the step: compute waits for the copies queued so far (S5)."""
-        rows = self.manager.table_rows(list(seq_ids))
-        table = torch.from_numpy(rows)
-        if self.device.type != "cpu":
-            table = table.to(self.device)  # pageable source: the copy is done on return
+        # Gathered straight into a staging slot, copied from there (S3): later host
+        # writes to the scheduler's rows or to the next step's table cannot reach it.
+        stager = self.stager
+        table = stager.upload_buffer(self.manager.table_rows(list(seq_ids), stager.host_buffer))
         self.manager.before_compute()
         return table
 
@@ -111,6 +112,7 @@ class KVCache:
             "bookkeeping_seconds": m.bookkeeping_seconds,
             "transfer_path": getattr(engine.executor, "path", "unknown"),
             "transfer_batches": engine.stats.batches,
+            "staging": self.stager.stats(),
             "sequences": len(m.seqs),
             "steps": c.steps,
             "block_bytes": bpb,
@@ -123,6 +125,8 @@ class KVCache:
 
     def check_invariants(self) -> None:
         self.manager.check_invariants()
+        self.manager.host_table.check_invariants()
+        self.stager.check_invariants()
 
     def check_consistency(self) -> None:
         """Collective: compare a digest of every rank's cache state (prefix index, tier

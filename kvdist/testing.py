@@ -38,12 +38,22 @@ class _Track:
 class IntegrityDriver:
     """Drives ``cache`` like an engine's forward pass; counts mismatching tokens."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, overlap: bool = False):
         self.cache = cache
+        # Simulated streams: the forward pass is a 'kernel' on the compute stream, queued
+        # behind the table's staging copy. With ``overlap`` it stays queued while the next
+        # step is prepared (a scheduler one step ahead of the device) and runs only after
+        # that step's table was staged; otherwise it runs at once.
+        executor = cache.manager.engine.executor
+        self._kernel = getattr(executor, "kernel", None)
+        self._force = getattr(executor, "force", None)
+        self.overlap = overlap
+        self._in_flight = None  # the previous step's forward pass, still queued (overlap)
         lay = cache.layout
         self.layers, self.heads, self.dim = lay.num_layers, lay.num_kv_heads, lay.head_dim
         self.tpb = lay.tokens_per_block
         self.dtype = cache.kv_pool(0).dtype
+        self._num_blocks = cache.kv_pool(0).shape[0]
         self.seqs: dict[Hashable, _Track] = {}
         self._touched: list[Hashable] = []
         self.mismatched_tokens = 0
@@ -88,16 +98,37 @@ class IntegrityDriver:
         self._touched.append(seq_id)
 
     def compute(self) -> torch.Tensor:
-        """block_table, then check reused positions and write the new ones."""
+        """block_table, then the forward pass: check reused positions, write the new ones
+        (queued on the simulated compute stream; see ``__init__`` for ``overlap``)."""
         ids = list(dict.fromkeys(self._touched))
         table = self.cache.block_table(ids)
+        work = []  # what this step's pass does, fixed now: the tracks change under it
         for row, seq_id in enumerate(ids):
             tr = self.seqs[seq_id]
-            if tr.check_upto:
-                self._check(seq_id, table[row], tr)
-            self._write(table[row], tr, tr.write_from, len(tr.tokens))
+            work.append((row, seq_id, tr, tr.check_upto, tr.write_from, len(tr.tokens)))
             tr.check_upto = 0
+        forward = lambda: self._forward(table, work)
+        if self._kernel is None:
+            forward()
+            return table
+        previous, self._in_flight = self._in_flight, self._kernel(forward)
+        if not self.overlap:
+            self.drain()
+        elif previous is not None:
+            self._force(previous)
         return table
+
+    def drain(self) -> None:
+        """Run the forward pass still queued on the simulated compute stream, if any."""
+        if self._in_flight is not None:
+            op, self._in_flight = self._in_flight, None
+            self._force(op)
+
+    def _forward(self, table: torch.Tensor, work: list) -> None:
+        for row, seq_id, tr, check_upto, lo, hi in work:
+            if check_upto:
+                self._check(seq_id, table[row], tr, check_upto)
+            self._write(seq_id, table[row], tr, lo, hi)
 
     def end(self) -> None:
         self.cache.end_step()
@@ -111,11 +142,18 @@ class IntegrityDriver:
         pos = torch.arange(lo, hi, device=table_row.device)
         return table_row[pos // self.tpb].long(), pos % self.tpb
 
-    def _write(self, table_row: torch.Tensor, tr: _Track, lo: int, hi: int) -> None:
+    def _write(self, seq_id: Hashable, table_row: torch.Tensor, tr: _Track, lo: int, hi: int) -> None:
         if hi <= lo:
             return
         blocks, offs = self._where(table_row, lo, hi)
         vals = self.expected(tr.fingerprints[lo:hi])
+        ok = (blocks >= 0) & (blocks < self._num_blocks)
+        n_wild = hi - lo - int(ok.sum())
+        if n_wild:  # a table entry that is no block (padding, poison): a GPU would scribble or fault
+            pos = lo + int((~ok).nonzero()[0])
+            self._record(n_wild, f"sequence {seq_id!r} position {pos} written through entry "
+                                 f"{int(table_row[pos // self.tpb])}")
+            blocks, offs, vals = blocks[ok], offs[ok], vals[ok]
         for layer in range(self.layers):
             self.cache.kv_pool(layer)[blocks, :, offs] = vals[:, layer]
 
@@ -124,15 +162,20 @@ class IntegrityDriver:
         return torch.stack([self.cache.kv_pool(layer)[blocks, :, offs]
                             for layer in range(self.layers)], dim=1)
 
-    def _check(self, seq_id: Hashable, table_row: torch.Tensor, tr: _Track) -> None:
-        got = self.read(table_row, 0, tr.check_upto)
-        want = self.expected(tr.fingerprints[: tr.check_upto])
-        bad = (got != want).flatten(1).any(dim=1)
+    def _check(self, seq_id: Hashable, table_row: torch.Tensor, tr: _Track, upto: int) -> None:
+        row = table_row[: -(-upto // self.tpb)]
+        no_block = (row < 0) | (row >= self._num_blocks)  # padding or poison where a block must be
+        got = self.read(torch.where(no_block, 0, row), 0, upto)
+        want = self.expected(tr.fingerprints[:upto])
+        bad = (got != want).flatten(1).any(dim=1) | no_block.repeat_interleave(self.tpb)[:upto]
         n_bad = int(bad.sum())
-        self.checked_tokens += tr.check_upto
+        self.checked_tokens += upto
         if n_bad:
-            self.mismatched_tokens += n_bad
-            if self.first_mismatch is None:
-                pos = int(bad.nonzero()[0])
-                self.first_mismatch = (f"sequence {seq_id!r} position {pos} "
-                                       f"(block slot {int(table_row[pos // self.tpb])})")
+            pos = int(bad.nonzero()[0])
+            self._record(n_bad, f"sequence {seq_id!r} position {pos} "
+                                f"(block slot {int(table_row[pos // self.tpb])})")
+
+    def _record(self, n_bad: int, where: str) -> None:
+        self.mismatched_tokens += n_bad
+        if self.first_mismatch is None:
+            self.first_mismatch = where
