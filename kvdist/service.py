@@ -150,6 +150,7 @@ class KVCache:
         if self._closed:
             return
         self._closed = True
+        self.manager = None  # it reaches every pool through the executor
         try:
             self._local.teardown()
             if wait_for_peers:
