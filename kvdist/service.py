@@ -173,15 +173,17 @@ class KVCache:
 def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
     """Build the cache on every rank of ``comm`` (collective; DESIGN §5). ``comm=None``
     uses a Dup of COMM_WORLD when MPI is running, else a single-rank job without MPI.
-    Raises on every rank, with nothing left allocated, when the ranks agree to abort."""
+    Raises on every rank, with nothing left allocated, when the ranks agree to abort;
+    the exception's ``init_seconds`` is then what the attempt cost (as in ``stats()``)."""
     cfg = load_config(cfg)
     timing = InitTiming()
     with timing.clock("consensus"):
         c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
     try:
         done = establish(c, cfg, LocalBuilder(cfg, c.rank, c.local_rank, c.local_size), timing)
-    except BaseException:
+    except BaseException as e:
         c.free()
+        e.init_seconds = timing.as_dict()  # what the failed start cost this rank, for operators
         raise
     return KVCache(done.candidate, c, done.status, done)
 

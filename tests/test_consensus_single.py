@@ -86,6 +86,7 @@ def test_build_error_raises_own_error(probe, disk_dir, monkeypatch):  # noqa: F8
     assert e.value.__notes__ == [f"kvdist start-up aborted on all 1 rank(s) (phase 1): "
                                  f"rank 0: {BUILD_REASON.format('build', 0)}"]
     assert probe.builds == [(True, False, "KVDistError")] and probe.teardowns == 0
+    assert set(e.value.init_seconds) == {"plan", "build", "teardown", "consensus", "total"}
     assert_clean(probe, disk_dir)
 
 
