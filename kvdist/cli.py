@@ -1,4 +1,5 @@
-"""``python -m kvdist``: ``run`` (the main job) and ``bench`` (the benchmarks).
+"""``python -m kvdist``: ``run`` (the main job), ``bench`` (the benchmarks) and
+``placement`` (where each rank runs and which GPU it picks).
 
 A config mistake prints one line naming the key and exits with status 2."""
 
@@ -26,6 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print figures side by side")
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+    place = sub.add_parser("placement", help="print each rank's node, node-local rank and device")
+    place.add_argument("--device", default="auto", help="cache.device to resolve (default auto)")
+    place.add_argument("--gpus-per-node", type=int, default=None,
+                       help="assume nodes with this many GPUs (planning without them)")
     return p
 
 
@@ -33,9 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            from . import demo
+            from . import sim
 
-            return demo.main(args)
+            return sim.main(args)
+        if args.command == "placement":
+            from .sim import placement
+
+            return placement.main(args)
         module = importlib.import_module(f"kvdist.bench.{args.name}")
         return module.main(args.args)
     except ConfigError as e:

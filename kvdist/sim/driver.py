@@ -11,9 +11,8 @@ every ``workload.check_consistency_every`` steps ``cache.check_consistency()``."
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from .integrity import BlockLedger
 from .metrics import MetricsServer, Timeline, snapshot_from
 from .model import Segment, TinyModel
 from .parallel import TensorParallel
+from .placement import placements
 from .plots import write_plots
 from .report import human_bytes, new_run_dir, point_latest, render, write_results
 from .scheduler import Scheduler, StepPlan
@@ -76,7 +76,7 @@ class Simulation:
     def __init__(self, cfg: CacheConfig, opts: RunOptions, comm=None):
         if opts.requests is not None:
             cfg = cfg.replace(workload={"requests": opts.requests})
-        self.cfg, self.opts = cfg, opts
+        self.cfg, self.opts, self.comm = cfg, opts, comm
         self.w = cfg.workload
         self.tp = TensorParallel(comm)
         self.rank0 = self.tp.rank == 0
@@ -92,9 +92,10 @@ class Simulation:
 
     def _setup(self) -> None:
         cache, cfg = self.cache, self.cfg
-        if cache.device.type == "cpu":  # ranks of a node share its cores
-            cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, cores // self.tp.local_size))
+        if cache.device.type == "cpu":
+            # The tiny model's matmuls are too small to gain from intra-op threads, and
+            # threads of ranks sharing cores spin against each other (15x slower seen).
+            torch.set_num_threads(1)
         layout = cache.layout
         self.kv_dtype = torch_dtype(layout.dtype)
         self.capacity = dict(cache.stats()["capacity_blocks"])
@@ -109,7 +110,9 @@ class Simulation:
         self.tolerance = logits_tolerance(self.kv_dtype)
         self.checks = _Checks()
         self.clock = _Clock()
-        self.placement = self.tp.gather((socket.gethostname(), self.tp.local_rank, str(cache.device)))
+        _, self.placement = placements(cfg.cache.device, self.comm)
+        assert all(p.device == str(cache.device) for p in self.placement[self.tp.rank:self.tp.rank + 1]), \
+            "the placement's device differs from the cache's"
         if self.rank0:
             solo = None
             if self.tp.mpi is not None:  # the replays are this rank's alone
@@ -248,8 +251,8 @@ class Simulation:
     def _header(self) -> str:
         cache, w, lay = self.cache, self.w, self.cache.layout
         bpb = lay.bytes_per_block
-        nodes = sum(1 for _, local, _ in self.placement if local == 0)
-        where = " ".join(f"{r}->{dev}" for r, (_, _, dev) in enumerate(self.placement))
+        nodes = len({p.node for p in self.placement})
+        where = " ".join(f"{p.rank}->{p.device}" for p in self.placement)
         tiers = ", ".join(f"{t} {self.capacity[t]:,} blocks ({human_bytes(self.capacity[t] * bpb)})"
                           for t in cache.tiers)
         ws = self.trace.distinct_blocks(lay.tokens_per_block)
@@ -328,9 +331,9 @@ class Simulation:
         return {
             "ok": ok,
             "world_size": world,
-            "nodes": sum(1 for _, local, _ in self.placement if local == 0),
-            "placement": [list(p) for p in self.placement],
-            "device": ",".join(sorted({dev for _, _, dev in self.placement})),
+            "nodes": len({p.node for p in self.placement}),
+            "placement": [dataclasses.asdict(p) for p in self.placement],
+            "device": ",".join(sorted({p.device for p in self.placement})),
             "tiers": list(self.cache.tiers),
             "requests": self.sched.finished,
             "requests_in_trace": len(self.trace.requests),

@@ -7,6 +7,8 @@ traffic never interleaves with the cache's collectives."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -24,14 +26,21 @@ class TensorParallel:
         self.local_size: int = self._c.local_size
         self.mpi = self._c.mpi  # None for a job without MPI
 
+    @staticmethod
+    def _wait(req) -> None:
+        """Complete a non-blocking collective, yielding the core while waiting: ranks
+        often outnumber cores (4 ranks on a 2-core CI machine), and MPI's blocking
+        collectives spin, taking the core from the rank everyone waits for."""
+        while not req.Test():
+            os.sched_yield()
+
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks in place (device tensors are staged through host
         memory: the MPI library is not assumed to be CUDA-aware)."""
         if self.mpi is None:
             return t
         host = t.detach().to("cpu", copy=t.device.type != "cpu").contiguous()
-        buf = host.numpy()
-        self.mpi.Allreduce(self._c.MPI.IN_PLACE, buf, op=self._c.MPI.SUM)
+        self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, host.numpy(), op=self._c.MPI.SUM))
         if host.data_ptr() != t.data_ptr():
             t.copy_(host)
         return t
@@ -42,7 +51,7 @@ class TensorParallel:
             return True
         a = np.asarray(values, dtype=np.int64)
         both = np.concatenate([a, -a])
-        self.mpi.Allreduce(self._c.MPI.IN_PLACE, both, op=self._c.MPI.MAX)
+        self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, both, op=self._c.MPI.MAX))
         return bool(np.array_equal(both[: len(a)], -both[len(a):]))
 
     def sum_ints(self, values: list[int]) -> list[int]:
