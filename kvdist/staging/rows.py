@@ -32,6 +32,7 @@ class TableRows:
         self.table = np.full((rows, width), PAD, dtype=np.int32)
         self._bound: dict[Hashable, _Row] = {}
         self._free: list[int] = list(range(rows - 1, -1, -1))
+        self._scratch = np.empty((0, width), dtype=np.int32)  # whole rows, for gather
         self.reclaimed = 0  # rows taken back from finished sequences (free for new ones)
 
     # -- building a table ----------------------------------------------------------------------
@@ -62,7 +63,17 @@ class TableRows:
         """``out[i] = table[rows[i], :width]`` (``out`` may be a staging buffer)."""
         assert out.shape == (len(rows), width) and out.dtype == np.int32, \
             f"out is {out.shape} {out.dtype}, want {(len(rows), width)} int32"
-        np.take(self.table[:, :width], rows, axis=0, out=out, mode="clip")
+        if width == self.table.shape[1]:
+            np.take(self.table, rows, axis=0, out=out, mode="clip")
+            return out
+        # numpy's take copies a non-contiguous source whole before gathering; whole rows of
+        # the contiguous table into scratch, then a strided copy, is ~10x faster.
+        n = len(rows)
+        if self._scratch.shape[0] < n or self._scratch.shape[1] != self.table.shape[1]:
+            self._scratch = np.empty((max(n, 2 * self._scratch.shape[0]), self.table.shape[1]), np.int32)
+        scratch = self._scratch[:n]
+        np.take(self.table, rows, axis=0, out=scratch, mode="clip")
+        np.copyto(out, scratch[:, :width])
         return out
 
     # -- row lifecycle ---------------------------------------------------------------------------

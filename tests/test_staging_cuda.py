@@ -1,0 +1,286 @@
+"""Rule S3 on a GPU: the four staging races of tests/test_staging.py with the compute
+stream held by a deterministic gate (a one-thread kernel spinning on a flag in mapped
+pinned memory, opened by a host write: no sleeps), plus the steady state (no pinned
+allocation, no host synchronization). Skipped without CUDA."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvdist
+from kvdist.staging import CudaH2D, Stager, TableRows
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROTECT = pytest.mark.parametrize("protect", [True, False], ids=["protected", "rule-off-one-buffer"])
+
+SPIN = r"""
+extern "C" __global__ void spin_until_set(const volatile int* flag, long long max_cycles,
+                                          int* timed_out) {
+    long long start = clock64();
+    while (*flag == 0) {
+        if (clock64() - start > max_cycles) { *timed_out = 1; return; }
+    }
+}
+"""
+
+
+class SpinGate:
+    """Holds a stream until the host opens the gate. The spin gives up after about ten
+    seconds (and records it), so a broken test fails instead of hanging the GPU."""
+
+    MAX_CYCLES = 20_000_000_000
+
+    def __init__(self, device: torch.device):
+        from cuda.bindings import driver, nvrtc
+
+        self._driver = driver
+        major, minor = torch.cuda.get_device_capability(device)
+        err, prog = nvrtc.nvrtcCreateProgram(SPIN.encode(), b"spin.cu", 0, [], [])
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"nvrtc: {log.decode(errors='replace')}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        nvrtc.nvrtcDestroyProgram(prog)
+        self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)  # also makes the context current
+        image = np.frombuffer(cubin, dtype=np.uint8)
+        err, self._module = driver.cuModuleLoadData(image.ctypes.data)
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        err, self._fn = driver.cuModuleGetFunction(self._module, b"spin_until_set")
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: UVA pointer
+
+    def close(self, stream: torch.cuda.Stream) -> None:
+        """Everything queued on ``stream`` from now on waits for ``open``."""
+        self.flag[0] = 0
+        args = [np.array([self.flag.data_ptr()], dtype=np.uint64),
+                np.array([self.MAX_CYCLES], dtype=np.int64),
+                np.array([self.timed_out.data_ptr()], dtype=np.uint64)]
+        params = np.array([a.ctypes.data for a in args], dtype=np.uint64)
+        (err,) = self._driver.cuLaunchKernel(self._fn, 1, 1, 1, 1, 1, 1, 0,
+                                             self._driver.CUstream(stream.cuda_stream),
+                                             params.ctypes.data, 0)
+        assert err == self._driver.CUresult.CUDA_SUCCESS, err
+
+    def open(self) -> None:
+        self.flag[0] = 1
+
+    def check(self) -> None:
+        torch.cuda.synchronize()
+        assert int(self.timed_out.item()) == 0, "the gate timed out: the stream was never released"
+
+
+@pytest.fixture(scope="module")
+def gate():
+    return SpinGate(torch.device("cuda"))
+
+
+@pytest.fixture
+def cuda_cache(cfg_factory):
+    caches = []
+
+    def make(protect=True):
+        cache = kvdist.create(cfg_factory(gpu=32, device="cuda"))
+        caches.append(cache)
+        if not protect:
+            cache.stager = Stager(cache.stager.upload, protect=False)
+        return cache
+    yield make
+    for c in caches:
+        c.close()
+
+
+def T(start, n):
+    return list(range(start, start + n))
+
+
+def host_view(cache, ids):
+    rows = [list(cache.manager.seqs[i].slots) for i in ids]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+
+def intact(protect, got, baseline):
+    got = got.cpu()
+    if protect:
+        assert torch.equal(got, baseline), f"{got.tolist()} != {baseline.tolist()}"
+    else:
+        assert not torch.equal(got, baseline), "the rule-off case was expected to corrupt"
+
+
+def gated(gate, fn):
+    """Run ``fn`` with the compute stream (made current) held by the gate; open it, wait."""
+    stream = torch.cuda.Stream()
+    gate.close(stream)
+    try:
+        with torch.cuda.stream(stream):
+            out = fn()
+    finally:
+        gate.open()
+    gate.check()
+    return out
+
+
+@PROTECT
+def test_1_table_row_rewritten_after_copy_queued(cuda_cache, gate, protect):
+    cache = cuda_cache(protect)
+
+    def steps():
+        cache.begin_step()
+        cache.add_sequence("a", T(0, 6))
+        cache.add_sequence("b", T(100, 9))
+        table = cache.block_table(["a", "b"])
+        baseline = host_view(cache, ["a", "b"])
+        cache.end_step()
+        cache.begin_step()
+        cache.append_tokens("a", [7, 8, 9])  # "a" grows: its row is rewritten
+        following = cache.block_table(["a", "b"])
+        return table, baseline, following
+
+    table, baseline, following = gated(gate, steps)
+    assert baseline.tolist() == [[0, 1, -1], [2, 3, 4]]
+    assert following.cpu().tolist() == [[0, 1, 5], [2, 3, 4]]
+    intact(protect, table, baseline)
+
+
+@PROTECT
+def test_2_gather_indices_rewritten(gate, protect):
+    dev = torch.device("cuda")
+    stager = Stager(CudaH2D(dev), protect=protect)
+    pool = torch.arange(64 * 3, dtype=torch.int64, device=dev).view(64, 3)
+    idx = np.array([5, 9, 2, 40, 17], dtype=np.int64)
+
+    def steps():
+        d_idx = stager.stage(idx)
+        picked = pool.index_select(0, d_idx)  # the gather kernel, queued behind the copy
+        idx[:] = [1, 2, 3, 4, 63]  # the scheduler's next indices ...
+        d_next = stager.stage(idx)  # ... staged before the gather ran
+        return picked, pool.index_select(0, d_next)
+
+    picked, picked_next = gated(gate, steps)
+    assert picked_next.cpu().tolist() == pool.cpu()[[1, 2, 3, 4, 63]].tolist()
+    intact(protect, picked, pool.cpu()[[5, 9, 2, 40, 17]])
+
+
+@PROTECT
+def test_3_released_row_rebound_before_copy_ran(cuda_cache, gate, protect):
+    cache = cuda_cache(protect)
+    rows = cache.manager.host_table = TableRows(rows=2, width=2)
+
+    def steps():
+        cache.begin_step()
+        cache.add_sequence("a", T(0, 8))
+        cache.add_sequence("b", T(100, 5))
+        table = cache.block_table(["a", "b"])
+        baseline = host_view(cache, ["a", "b"])
+        row_a = rows.row_of("a")
+        cache.end_step()
+        cache.begin_step()
+        cache.release("a")
+        cache.add_sequence("c", T(200, 8))
+        following = cache.block_table(["c", "b"])
+        assert rows.row_of("c") == row_a
+        return table, baseline, following
+
+    table, baseline, following = gated(gate, steps)
+    assert baseline.tolist() == [[0, 1], [2, 3]]
+    assert following.cpu().tolist() == [[4, 5], [2, 3]]
+    intact(protect, table, baseline)
+
+
+@PROTECT
+def test_4_second_staged_copy_queued_behind_first(cuda_cache, gate, protect):
+    cache = cuda_cache(protect)
+
+    def steps():
+        cache.begin_step()
+        cache.add_sequence("a", T(0, 10))
+        cache.add_sequence("b", T(100, 3))
+        first = cache.block_table(["a", "b"])
+        baseline = host_view(cache, ["a", "b"])
+        cache.end_step()
+        cache.begin_step()
+        second = cache.block_table(["b"])
+        return first, baseline, second
+
+    first, baseline, second = gated(gate, steps)
+    assert baseline.tolist() == [[0, 1, 2], [3, -1, -1]]
+    assert second.cpu().tolist() == [[3]]
+    intact(protect, first, baseline)
+
+
+def test_ring_exhausted_waits_for_the_oldest_copy(gate):
+    """Two stages fill a two-slot ring while the stream is held; a third, once the gate is
+    open, reuses the oldest slot only after its copy ran (waiting, counted, if it had
+    not), and every table arrives intact."""
+    dev = torch.device("cuda")
+    stager = Stager(CudaH2D(dev), slots=2)
+    stream = torch.cuda.Stream()
+    gate.close(stream)
+    try:
+        with torch.cuda.stream(stream):
+            a = stager.stage(np.full(8, 1, dtype=np.int32))
+            b = stager.stage(np.full(8, 2, dtype=np.int32))
+        assert stager.in_flight() == 2 and stager.counters.ring_waits == 0
+    finally:
+        gate.open()
+    with torch.cuda.stream(stream):
+        c = stager.stage(np.full(8, 3, dtype=np.int32))  # slot of "a": done now, or waited for
+    gate.check()
+    assert a.cpu().tolist() == [1] * 8 and b.cpu().tolist() == [2] * 8 and c.cpu().tolist() == [3] * 8
+    assert stager.counters.ring_waits == stager.counters.host_syncs <= 1
+    stager.check_invariants()
+
+
+def test_steady_state_stages_without_allocation_or_host_sync():
+    """256 sequences x 128 blocks, a table every step: after warm-up no pinned allocation,
+    no ring wait, and no synchronizing CUDA call (torch's sync debug mode would raise)."""
+    cache = kvdist.create({"model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+                           "cache": {"tokens_per_block": 16, "device": "cuda",
+                                     "gpu": {"blocks": 256 * 136}}})
+    try:
+        ids = list(range(256))
+        rng = np.random.default_rng(0)
+        cache.begin_step()
+        for i in ids:
+            cache.add_sequence(i, rng.integers(0, 30000, 128 * 16 - 8).tolist())
+        cache.block_table(ids)
+        cache.end_step()
+
+        def step(t):
+            cache.begin_step()
+            for i in ids:
+                cache.append_tokens(i, [t])
+            table = cache.block_table(ids)
+            cache.end_step()
+            return table
+
+        for t in range(8):  # warm-up: every slot grows to the table's size once
+            step(t)
+        torch.cuda.synchronize()
+        before = cache.stats()["staging"]
+        tables = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(8, 40):
+                tables.append(step(t))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        after = cache.stats()["staging"]
+        assert after["pinned_allocs"] == before["pinned_allocs"]
+        assert after["ring_waits"] == before["ring_waits"] == 0
+        assert after["host_syncs"] == before["host_syncs"] == 0
+        assert after["pinned"] and after["stages"] - before["stages"] == 32
+        assert torch.equal(tables[-1].cpu(), host_view(cache, ids))
+    finally:
+        cache.close()
