@@ -93,6 +93,16 @@ def simulate_async(cfg: CacheConfig) -> bool:
     return cfg.cache.simulate_async or env == "1"
 
 
+def copy_path_override() -> str | None:
+    """``KVDIST_COPY_PATH`` forces the CUDA copy path (benchmarks, diagnosis)."""
+    from .transfer.batchcopy import PATHS
+
+    env = os.environ.get("KVDIST_COPY_PATH", "")
+    if env and env not in PATHS:
+        raise ConfigError("KVDIST_COPY_PATH", env, f"must be one of {', '.join(PATHS)}")
+    return env or None
+
+
 @dataclass(slots=True)
 class LocalCache:
     """One rank's cache: pools, executor and manager, plus how it was built."""
@@ -117,6 +127,9 @@ class LocalCache:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        close = getattr(self.executor, "close", None)  # the CUDA executor's disk workers
+        if close is not None:
+            close()
         for pool in (self.disk, self.host, self.gpu):
             if pool is not None:
                 pool.close()
@@ -154,7 +167,8 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
         if device.type == "cuda":
             from .transfer.cuda import CudaExecutor
 
-            local.executor = CudaExecutor(local.gpu, local.host, local.disk, device)
+            local.executor = CudaExecutor(local.gpu, local.host, local.disk, device,
+                                          path=copy_path_override())
         else:
             copies = HostCopies(local.gpu, local.host, local.disk)
             local.executor = SimExecutor(copies) if simulate_async(cfg) else SyncExecutor(copies)

@@ -1,79 +1,249 @@
-"""The executor for a GPU tier in CUDA memory: an offload and an onboard stream per
-GPU, CUDA events as the per-slot pending markers. Disk transfers run on the calling
-thread through one pinned bounce block."""
+"""The executor for a GPU tier in CUDA memory: an offload stream and an onboard stream
+per GPU, one CUDA event per batch as the pending marker of every slot the batch
+touches (the engine keys them by physical slot), batched copies (``batchcopy``).
+
+Disk transfers run on worker threads, off the step's critical path, and obey the
+same per-slot ordering: a disk task waits inside its worker for the CUDA events it
+depends on; a CUDA stream never waits for unfinished disk work. Where a CUDA copy
+does depend on disk work (an offload into a host slot a demotion is still reading,
+the GPU half of a fetch), the host waits for it at the latest moment (the next
+submission that needs it, or the compute barrier S5) and the wait is counted.
+
+* demote (host -> disk): the worker waits for the pending writes of its host slots,
+  then writes them to disk straight from pinned memory.
+* spill (gpu -> disk): the GPU half copies the blocks into a pinned bounce buffer on
+  the offload stream; the worker waits for that event and writes the buffer.
+* fetch (disk -> gpu): the worker reads into a pinned bounce buffer; once it is done
+  the host queues the GPU half (bounce -> GPU slots) on the onboard stream."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
-from .executors import DONE
+from .batchcopy import BatchCopier
+
+
+@dataclass(slots=True, eq=False)
+class DiskOp:
+    """The event of one disk batch. ``future``: the worker's part (the disk I/O and
+    the host/bounce memory it touches). ``gpu_event``: the part that touches GPU
+    memory (spill: GPU -> bounce done; fetch: bounce -> GPU, queued once the read is
+    done), None for a demotion."""
+
+    direction: str
+    future: Future
+    bounce: torch.Tensor | None = None
+    gpu_event: torch.cuda.Event | None = None
+    gpu_slots: np.ndarray | None = None  # fetch: where the GPU half writes
+    gpu_deps: list = field(default_factory=list)  # fetch: what the GPU half waits for
+
+    @property
+    def gpu_pending(self) -> bool:
+        """A fetch whose GPU half is not queued yet."""
+        return self.direction == "fetch" and self.gpu_event is None
+
+
+@dataclass(slots=True)
+class ExecutorCounters:
+    host_waits: int = 0  # times the host blocked on unfinished disk work
+    host_wait_seconds: float = 0.0
+    disk_batches: int = 0
 
 
 class CudaExecutor:
-    """Per-block asynchronous copies on side streams (the batched path replaces the
-    inner loop; ordering is the engine's and does not change)."""
-
-    path = "per-block"
+    """Batched asynchronous copies on side streams; ordering is the engine's."""
 
     def __init__(self, gpu: GpuPool, host: HostPool | None, disk: DiskPool | None,
-                 device: torch.device):
+                 device: torch.device, *, path: str | None = None, disk_threads: int = 2):
         self.gpu, self.host, self.disk, self.device = gpu, host, disk, device
+        self.copier = BatchCopier(device, prefer=path)
         self.streams = {"offload": torch.cuda.Stream(device), "onboard": torch.cuda.Stream(device)}
-        self._bounce = (torch.empty(gpu.raw.shape[1], dtype=torch.uint8, pin_memory=True)
-                        if disk is not None else None)
+        self._workers = (ThreadPoolExecutor(disk_threads, thread_name_prefix="kvdist-xfer-disk",
+                                            initializer=torch.cuda.set_device, initargs=(device,))
+                         if disk is not None else None)
+        self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (keep bounces alive)
+        self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
+        self.counters = ExecutorCounters()
+        self.log: list[tuple[str, list[int], list[int]]] | None = None  # tests: (direction, src, dst)
 
-    def _wait_on(self, stream: torch.cuda.Stream, deps: list) -> None:
+    @property
+    def path(self) -> str:
+        return self.copier.path
+
+    def stats(self) -> dict:
+        c = self.copier
+        return {"path": c.path, "batches_by_path": dict(c.batches), "copy_calls_by_path": dict(c.api_calls),
+                "blocks": c.blocks, "host_waits_on_disk": self.counters.host_waits,
+                "host_wait_seconds": self.counters.host_wait_seconds,
+                "disk_batches": self.counters.disk_batches, **c.describe()}
+
+    # -- waiting -------------------------------------------------------------------------------
+    def _host_wait(self, fut: Future) -> None:
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.result()
+            self.counters.host_waits += 1
+            self.counters.host_wait_seconds += time.perf_counter() - t0
+        else:
+            fut.result()  # re-raise a worker's error here
+
+    def _finish_fetch(self, op: DiskOp) -> None:
+        """Queue the GPU half of a fetch (the host waits for its read if needed)."""
+        self._host_wait(op.future)
+        st = self.streams["onboard"]
+        self._gpu_wait(st, op.gpu_deps, writes_host=False)
+        self.copier.copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
+        ev = torch.cuda.Event()
+        ev.record(st)
+        op.gpu_event, op.gpu_deps = ev, []
+
+    def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, writes_host: bool) -> None:
+        """``stream`` waits for the GPU side of ``deps``. A demotion has none; but it
+        reads host slots with the CPU, so a copy that writes host memory waits for it
+        on the host."""
         for e in deps:
             if isinstance(e, torch.cuda.Event):
                 stream.wait_event(e)
+            elif isinstance(e, DiskOp):
+                if e.gpu_pending:
+                    self._finish_fetch(e)
+                if e.gpu_event is not None:
+                    stream.wait_event(e.gpu_event)
+                elif writes_host:
+                    self._host_wait(e.future)
 
-    def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list):
-        g = self.gpu.raw
-        if direction in ("offload", "onboard"):
-            st = self.streams[stream]
-            self._wait_on(st, deps)
-            a, b = (g, self.host.raw) if direction == "offload" else (self.host.raw, g)
-            with torch.cuda.stream(st):
-                for s, d in zip(src, dst):
-                    b[d].copy_(a[s], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(st)
-            return ev
-        # Disk transfers: the host waits for what they depend on, then does the I/O.
+    @staticmethod
+    def _worker_wait(deps: list) -> None:
+        """Inside a disk worker: the CUDA events and disk batches a task follows."""
         for e in deps:
             if isinstance(e, torch.cuda.Event):
                 e.synchronize()
-        bounce = self._bounce
-        for s, d in zip(src, dst):
-            if direction == "demote":
-                self.disk.write(d, self.host.raw[s].numpy())
-            elif direction == "spill":
-                with torch.cuda.stream(self.streams["offload"]):
-                    bounce.copy_(g[s], non_blocking=True)
-                self.streams["offload"].synchronize()
-                self.disk.write(d, bounce.numpy())
-            elif direction == "fetch":
-                self.disk.read(s, bounce.numpy())
-                with torch.cuda.stream(self.streams["onboard"]):
-                    g[d].copy_(bounce, non_blocking=True)
-                self.streams["onboard"].synchronize()
-            else:
-                raise AssertionError(f"unknown direction {direction}")
-        return DONE
+            elif isinstance(e, DiskOp):
+                e.future.result()
+
+    def _pump(self) -> None:
+        """Queue the GPU halves of finished fetches; forget completed disk batches."""
+        for op in list(self._unsettled):
+            if op.gpu_pending and op.future.done():
+                self._finish_fetch(op)
+        while self._inflight and self.is_done(self._inflight[0]):
+            self._inflight.popleft()
+
+    # -- the executor interface ---------------------------------------------------------------------
+    def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list):
+        if self.log is not None:
+            self.log.append((direction, list(src), list(dst)))
+        s = np.asarray(src, dtype=np.int64)
+        d = np.asarray(dst, dtype=np.int64)
+        if direction in ("offload", "onboard"):
+            self._pump()
+            st = self.streams[stream]
+            self._gpu_wait(st, deps, writes_host=direction == "offload")
+            a, b = (self.gpu.raw, self.host.raw) if direction == "offload" else (self.host.raw, self.gpu.raw)
+            self.copier.copy(st, a, b, s, d)
+            ev = torch.cuda.Event()
+            ev.record(st)
+            return ev
+        return self._submit_disk(direction, s, d, deps)
+
+    def _submit_disk(self, direction: str, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+        self._pump()
+        workers = self._workers
+        self.counters.disk_batches += 1
+        if direction == "demote":
+            rows = [self.host.raw[i] for i in s.tolist()]
+            fut = workers.submit(self._write_task, deps, d.tolist(), rows)
+            op = DiskOp(direction, fut)
+        elif direction == "spill":
+            bounce = torch.empty((len(s), self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
+            st = self.streams["offload"]
+            self._gpu_wait(st, deps, writes_host=False)
+            self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
+            ev = torch.cuda.Event()
+            ev.record(st)
+            disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
+            fut = workers.submit(self._write_task, disk_deps, d.tolist(), list(bounce))
+            op = DiskOp(direction, fut, bounce, gpu_event=ev)
+        elif direction == "fetch":
+            bounce = torch.empty((len(s), self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
+            disk_deps = [e for e in deps if isinstance(e, DiskOp)]
+            fut = workers.submit(self._read_task, disk_deps, s.tolist(), list(bounce))
+            op = DiskOp(direction, fut, bounce, gpu_slots=d, gpu_deps=list(deps))
+        else:
+            raise AssertionError(f"unknown direction {direction}")
+        self._inflight.append(op)
+        if direction != "demote":
+            self._unsettled.append(op)
+        return op
+
+    def _write_task(self, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
+        self._worker_wait(deps)
+        if hasattr(self.disk, "write_blocks"):
+            self.disk.write_blocks(slots, rows)
+        else:
+            for slot, row in zip(slots, rows):
+                self.disk.write(slot, row.numpy())
+
+    def _read_task(self, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
+        self._worker_wait(deps)
+        if hasattr(self.disk, "read_blocks"):
+            self.disk.read_blocks(slots, rows)
+        else:
+            for slot, row in zip(slots, rows):
+                self.disk.read(slot, row.numpy())
 
     def record_compute(self):
+        self._pump()
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def compute_wait(self, events: list) -> None:
-        self._wait_on(torch.cuda.current_stream(self.device), events)
+        """S5: the compute stream waits for ``events`` and for the GPU half of every
+        disk batch not waited for yet (disk batches finish in any order, so the last
+        one of the 'disk stream' does not stand for the earlier ones)."""
+        compute = torch.cuda.current_stream(self.device)
+        while self._unsettled:
+            op = self._unsettled.popleft()
+            if op.gpu_pending:
+                self._finish_fetch(op)
+            compute.wait_event(op.gpu_event)
+        for e in events:
+            if isinstance(e, torch.cuda.Event):
+                compute.wait_event(e)
+        self._pump()
 
     def synchronize(self) -> None:
+        for op in list(self._unsettled):
+            if op.gpu_pending:
+                self._finish_fetch(op)
+        self._unsettled.clear()
+        for op in self._inflight:
+            self._host_wait(op.future)
         for st in self.streams.values():
             st.synchronize()
+        self._inflight.clear()
 
-    @staticmethod
-    def is_done(event) -> bool:
-        return event is DONE or event is None or event.query()
+    def is_done(self, event) -> bool:
+        if event is None:
+            return True
+        if isinstance(event, DiskOp):
+            if not event.future.done():
+                return False
+            if event.gpu_pending:
+                self._finish_fetch(event)
+            return event.gpu_event is None or event.gpu_event.query()
+        return event.query()
+
+    def close(self) -> None:
+        """Stop the disk workers (after ``synchronize``)."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
+            self._workers = None

@@ -35,6 +35,8 @@ DIRECTIONS = {
 }
 STREAM_OF = {"offload": "offload", "onboard": "onboard", "demote": "disk", "spill": "disk",
              "fetch": "disk"}
+# DIRECTIONS as a table indexed [source tier][destination tier] (None: no such move).
+_DIRECTION_OF = tuple(tuple(DIRECTIONS.get((a, b)) for b in (GPU, HOST, DISK)) for a in (GPU, HOST, DISK))
 
 
 @dataclass(slots=True)
@@ -63,6 +65,7 @@ class TransferEngine:
         assert tracking in ("slot", "block", "local"), f"unknown tracking {tracking!r}"
         assert tracking != "block" or block_id is not None, "block tracking needs block_id"
         self.space = space
+        self._b1, self._b2 = space.base[HOST], space.base[DISK]
         self.executor = executor
         self.rules = rules
         self.tracking = tracking
@@ -71,6 +74,7 @@ class TransferEngine:
         self._writes: dict[object, object] = {}  # key -> event of the pending write
         self._reads: dict[object, list] = {}  # key -> events of pending reads since that write
         self._stream_last: dict[str, object] = {}
+        self._inflight: list[tuple[object, list[tuple[object, object]]]] = []  # (event, keys) per batch
         self._compute_event = None
         self.stats = TransferStats()
 
@@ -85,13 +89,20 @@ class TransferEngine:
     # -- submission -----------------------------------------------------------------------
     def copy(self, src: int, dst: int) -> None:
         """Queue a copy of the block in global slot ``src`` into global slot ``dst``."""
-        direction = DIRECTIONS[self.space.tier_of(src), self.space.tier_of(dst)]
-        ks, kd = self._key(src, src), self._key(dst, src)
-        if "S2" in self.rules:
-            for b in list(self._open.values()):
-                if ks in b.writes or kd in b.writes or kd in b.reads:
-                    self.stats.conflict_flushes += 1
-                    self._flush(b.direction)
+        # The per-block hot path: tier by comparison, no calls when tracking by slot.
+        b1, b2 = self._b1, self._b2
+        direction = _DIRECTION_OF[(src >= b1) + (src >= b2)][(dst >= b1) + (dst >= b2)]
+        assert direction is not None and 0 <= src < self.space.total and 0 <= dst < self.space.total, \
+            f"no copy from slot {src} to slot {dst}"
+        if self.tracking == "slot":
+            ks, kd = src, dst
+        else:
+            ks, kd = self._key(src, src), self._key(dst, src)
+        if "S2" in self.rules and self._open:
+            for b in [b for b in self._open.values()
+                      if ks in b.writes or kd in b.writes or kd in b.reads]:
+                self.stats.conflict_flushes += 1
+                self._flush(b.direction)
         b = self._open.get(direction)
         if b is None:
             b = self._open[direction] = _Batch(direction)
@@ -119,10 +130,16 @@ class TransferEngine:
         stream = STREAM_OF[direction]
         ev = self.executor.submit(stream, direction, [s - base_s for s in b.src],
                                   [d - base_d for d in b.dst], unique)
+        reads, writes = self._reads, self._writes
         for ks, kd in b.keys:
-            self._reads.setdefault(ks, []).append(ev)
-            self._writes[kd] = ev
-            self._reads.pop(kd, None)
+            r = reads.get(ks)
+            if r is None:
+                reads[ks] = [ev]
+            else:
+                r.append(ev)
+            writes[kd] = ev
+            reads.pop(kd, None)
+        self._inflight.append((ev, b.keys))
         self._stream_last[stream] = ev
         self.stats.batches += 1
 
@@ -151,20 +168,37 @@ class TransferEngine:
         self._writes.clear()
         self._reads.clear()
         self._stream_last.clear()
+        self._inflight.clear()
+
+    def last_event(self, stream: str):
+        """The event of the last batch submitted on ``stream`` ("offload", "onboard",
+        "disk"), None once it is known complete."""
+        return self._stream_last.get(stream)
 
     def pending_slots(self) -> int:
         """Slots with a copy possibly still in flight (bounded by blocks in motion)."""
         return len(self._writes.keys() | self._reads.keys())
 
     def _prune(self) -> None:
+        """Forget the pending marks of completed batches: one completion query per
+        batch, then work proportional to the copies that completed."""
         done = self.executor.is_done
-        for k in [k for k, e in self._writes.items() if done(e)]:
-            del self._writes[k]
-        for k in list(self._reads):
-            evs = [e for e in self._reads[k] if not done(e)]
-            if evs:
-                self._reads[k] = evs
-            else:
-                del self._reads[k]
+        reads, writes = self._reads, self._writes
+        running = []
+        for ev, keys in self._inflight:
+            if not done(ev):
+                running.append((ev, keys))
+                continue
+            for ks, kd in keys:
+                if writes.get(kd) is ev:
+                    del writes[kd]
+                r = reads.get(ks)
+                if r is not None:
+                    left = [e for e in r if e is not ev]
+                    if left:
+                        reads[ks] = left
+                    else:
+                        del reads[ks]
+        self._inflight = running
         for k in [k for k, e in self._stream_last.items() if done(e)]:
             del self._stream_last[k]

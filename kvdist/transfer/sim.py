@@ -51,6 +51,7 @@ class SimExecutor:
         self._queued: list[SimOp] = []
         self._seq = 0
         self.forced = 0
+        self.log: list[tuple[str, list[int], list[int]]] | None = None  # tests: (direction, src, dst)
 
     # -- queueing -------------------------------------------------------------------------
     def enqueue(self, stream: str, fn: Callable[[], None], deps: list | None = None) -> SimOp:
@@ -66,6 +67,8 @@ class SimExecutor:
         return op
 
     def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list) -> SimOp:
+        if self.log is not None:
+            self.log.append((direction, list(src), list(dst)))
         src, dst = src[::-1], dst[::-1]  # no order inside a batch: run it backwards
         return self.enqueue(stream, lambda: self.copies.run(direction, src, dst, vectorized=False), deps)
 
