@@ -1,0 +1,1 @@
+"""Benchmarks run by ``python -m kvdist bench NAME``; each module has ``main(argv) -> int``."""
