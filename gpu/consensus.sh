@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start-up consensus on the H200: 4 ranks share cuda:0, each with a real pinned host
 # tier and a disk tier. Scenarios (one mpiexec, faults set per scenario by KVDIST_FAULTS):
-#   healthy | host_tier@1 (USE_NO_HOST everywhere) | build@2 (ABORT everywhere)
+#   healthy (cold, then warm) | host_tier@1 (USE_NO_HOST everywhere) | build@2 (ABORT everywhere)
 # Prints create() time per rank split into tier allocation (build) and consensus, and
 # checks that a failed start leaves no disk file behind.
 # Run from the repo root:  source gpu/env.sh && bash gpu/consensus.sh
@@ -38,8 +38,9 @@ import kvdist
 world = MPI.COMM_WORLD
 cfg, disk_dir = sys.argv[1], sys.argv[2]
 warnings.simplefilter("ignore")
-for name, drill in [("healthy", ""), ("host fails on rank 1", "host_tier@1"),
-                    ("build fails on rank 2", "build@2")]:
+# The first create() of a process also pays CUDA context creation and one-time set-up.
+for name, drill in [("healthy, cold process", ""), ("healthy, warm", ""),
+                    ("host fails on rank 1", "host_tier@1"), ("build fails on rank 2", "build@2")]:
     os.environ["KVDIST_FAULTS"] = drill
     world.Barrier()
     t0 = time.perf_counter()
