@@ -144,6 +144,19 @@ def test_unregister_failure_at_close_still_undoes_the_rest_and_unmaps():
     assert not mapped(addr, p.nbytes)
 
 
+def test_a_view_outliving_close_stays_readable_and_unmaps_when_dropped(caplog):
+    fake = FakeRegistrar()
+    p = pool(fake)
+    addr, n = p.memory.addr, p.nbytes
+    view = p.raw[3:5]
+    view.fill_(9)
+    p.close()
+    assert fake.live == {} and "still referenced at close" in caplog.text
+    assert mapped(addr, n) and int(view.sum()) == 9 * 2 * 768  # no use-after-unmap
+    del view
+    assert not mapped(addr, n)
+
+
 def test_plain_memory_is_not_registered_and_ignores_memlock():
     p = pool(None, limits=HostLimits(available=1 << 40, memlock=4096))
     try:

@@ -239,12 +239,12 @@ class HostMemory:
                 failed = failed or e
         self.flat = None
         if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                # A view of the memory is still alive elsewhere: the mapping goes away
-                # with the last view (the mmap object is released then).
-                log.warning("host tier memory still referenced at close; unmapped when released")
+            # Never mm.close(): tensors from torch.frombuffer do not pin the mapping, and
+            # a view that outlived close() would read unmapped memory. The tensors' storage
+            # holds the mmap object; it unmaps when the last view is gone (here, normally).
+            if sys.getrefcount(self._mm) > 2:
+                log.warning("host tier memory is still referenced at close: unmapped when the "
+                            "last view of it is released")
             self._mm = None
         if failed is not None:
             raise failed
