@@ -153,7 +153,8 @@ class KVCache:
         self.manager = None  # it reaches every pool through the executor
         try:
             self._local.teardown()
-            if wait_for_peers:
+            # After a timed-out collective the communicator is unusable: nothing to wait on.
+            if wait_for_peers and getattr(self._comm, "broken", None) is None:
                 self._comm.barrier("close")
         finally:
             self._comm.free()

@@ -148,16 +148,25 @@ class _Protocol:
         try:
             with self.timing.clock("consensus"):
                 return fn(*args)
-        except BaseException:
-            self.teardown()
+        except BaseException as e:
+            self.teardown(propagating=e)
             raise
 
-    def teardown(self) -> None:
-        if self.candidate is not None:
-            cand, self.candidate = self.candidate, None
+    def teardown(self, propagating: BaseException | None = None) -> Exception | None:
+        """Drop the candidate. A teardown error is returned, not raised: this rank must
+        still reach the next collective (or let ``propagating`` leave, noted)."""
+        if self.candidate is None:
+            return None
+        cand, self.candidate = self.candidate, None
+        self.timing.teardowns += 1
+        try:
             with self.timing.clock("teardown"):
                 cand.teardown()
-            self.timing.teardowns += 1
+        except Exception as e:
+            if propagating is not None and hasattr(propagating, "add_note"):
+                propagating.add_note(f"tearing down the candidate also failed: {_reason(e)}")
+            return e
+        return None
 
     def build(self, capacity: sizing.Capacity, *, with_host: bool,
               fallback: bool) -> tuple[InitStatus, BaseException | None]:
@@ -228,14 +237,15 @@ class _Protocol:
             status, error = self.build(capacity, with_host=True, fallback=False)
         try:
             faults.stall(rank, self.comm.timeout_s)
-        except BaseException:
-            self.teardown()
+        except BaseException as e:
+            self.teardown(propagating=e)
             raise
         agreed = InitStatus(self.collective(self.comm.allreduce_max, int(status), "phase 1: status"))
         if agreed == InitStatus.KEEP_HOST:
             return Committed(self.candidate, agreed, capacity, {}, self.timing)
 
-        self.teardown()  # every rank: ABORT frees it, USE_NO_HOST rebuilds without the host tier
+        # Every rank drops its candidate: ABORT frees it, USE_NO_HOST rebuilds without the host tier.
+        teardown_error = self.teardown()
         failed = self.exchange_reasons(status, error, "phase 1: reasons")
         failures = {r: why for r, (_, why) in failed.items()}
         if agreed == InitStatus.ABORT:
@@ -247,7 +257,10 @@ class _Protocol:
             HostTierWarning, stacklevel=4)
 
         assert capacity is not None
-        status2, error2 = self.build(capacity, with_host=False, fallback=True)
+        if teardown_error is None:
+            status2, error2 = self.build(capacity, with_host=False, fallback=True)
+        else:  # memory of the old candidate may still be held: do not stack a second one
+            status2, error2 = InitStatus.ABORT, teardown_error
         agreed2 = InitStatus(self.collective(self.comm.allreduce_max, int(status2), "phase 2: status"))
         if agreed2 == InitStatus.ABORT:
             self.teardown()

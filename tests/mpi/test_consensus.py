@@ -448,3 +448,32 @@ def test_allgather_objects(world):
         assert c.allreduce_min([world.rank + 3, 7 - world.rank], "min") == [3, 7 - (world.size - 1)]
     finally:
         c.free()
+
+
+def test_teardown_error_during_use_no_host(world, monkeypatch, probe, shared_dir):
+    """The host tier fails on rank 0; tearing down the healthy candidate fails on the last
+    rank. That rank must still reach phase 2 (no hang) and, rather than stacking a second
+    candidate on memory it may still hold, report ABORT with its teardown error."""
+    if world.size == 1:
+        pytest.skip("needs a healthy candidate on a rank other than the host-failing one")
+    last = world.size - 1
+    counted_teardown = kvdist.local.LocalCache.teardown
+    failed = []
+
+    def teardown(self):
+        counted_teardown(self)
+        if world.rank == last and not failed:
+            failed.append(True)
+            raise RuntimeError("injected teardown failure")
+
+    monkeypatch.setattr(kvdist.local.LocalCache, "teardown", teardown)
+    outcomes = attempt(world, monkeypatch, probe, config(shared_dir), "host_tier@0", shared_dir)
+    failures = {0: HOST_REASON.format(0),
+                last: "rebuild without the host tier: RuntimeError: injected teardown failure"}
+    _assert_aborted(outcomes, {last: ("RuntimeError", "injected teardown failure")}, failures)
+    for o in outcomes:
+        r = o["rank"]
+        first = (True, False, "HostTierUnavailable") if r == 0 else OK_HOST
+        assert o["builds"] == ([first] if r == last else [first, OK_NO_HOST]), o
+        assert o["teardowns"] == (r != 0) + (r != last), o
+    assert_clean(outcomes)
