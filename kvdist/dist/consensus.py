@@ -23,6 +23,7 @@ raise ConsensusAbort naming every failed rank and its reason."""
 from __future__ import annotations
 
 import enum
+import logging
 import time
 import warnings
 from collections import Counter
@@ -38,6 +39,7 @@ from ..config import CacheConfig
 from ..errors import ConsensusAbort, HostTierUnavailable
 from . import sizing
 
+log = logging.getLogger("kvdist.consensus")
 _REASON_CHARS = 400
 
 
@@ -215,7 +217,13 @@ class _Protocol:
         ref, differing = outliers([tuple(row[:n]) for row in table.tolist()])
         if differing:
             self.config_mismatch(ref, differing)
-        return sizing.min_capacity(table[:, n:]), plan_error
+        capacity = sizing.min_capacity(table[:, n:])
+        if capacity is not None and self.comm.rank == 0:
+            plans = [None if row[0] == sizing.UNPLANNED else tuple(row) for row in table[:, n:].tolist()]
+            reduced = sizing.describe(plans, capacity)
+            if reduced:
+                log.info("tier capacities MIN-reduced across ranks to %s blocks: %s", capacity, reduced)
+        return capacity, plan_error
 
     def config_mismatch(self, ref: int, differing: list[int]):
         configs = self.collective(self.comm.allgather, self.cfg.normalized(), "normalized configs")
