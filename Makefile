@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m kvdist run --config $(CONFIG)
+	$(BIN)/python launch/kvdist-launch -n $(NP) run --config $(CONFIG)
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvdist tests launch
+	$(BIN)/ruff check kvdist tests launch launch/kvdist-launch
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests

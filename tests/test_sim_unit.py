@@ -1,0 +1,302 @@
+"""The simulation's parts in one process: the trace generator, the scheduler, the
+tiny model against a real cache, the integrity ledger, the replays, the report and
+the metrics endpoint — and a whole short run, clean and with a corrupted block."""
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvdist
+from kvdist.config import WorkloadConfig
+from kvdist.sim.driver import RunOptions, Simulation, run
+from kvdist.sim.integrity import BlockLedger
+from kvdist.sim.metrics import MetricsServer, snapshot_from
+from kvdist.sim.model import Segment, TinyModel
+from kvdist.sim.parallel import TensorParallel
+from kvdist.sim.report import REQUIRED_KEYS
+from kvdist.sim.scheduler import Scheduler
+from kvdist.sim.workload import generate
+
+from .conftest import make_cfg
+
+W = dict(requests=120, seed=3, system_prompts=3, system_prompt_tokens=40, conversations=10, turns=(2, 5),
+         user_tokens=(3, 20), output_tokens=(2, 9), arrival_rate=1.5, max_batch=6, max_prefill_tokens=200,
+         vocab_size=97, hidden=32, verify_logits_every=1, check_consistency_every=7)
+
+
+def sim_cfg(tmp_path, **workload):
+    return kvdist.load_config(make_cfg(
+        model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+        cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
+               "disk": {"path": str(tmp_path / "disk"), "bytes": 400 * 1024}},
+        workload={**W, **workload}))
+
+
+# -- the trace ----------------------------------------------------------------------------------
+def test_trace_is_a_pure_function_of_the_seed():
+    a, b = generate(WorkloadConfig(**W)), generate(WorkloadConfig(**W))
+    assert [(r.rid, r.chat, r.turn, r.arrival, r.after) for r in a.requests] == \
+        [(r.rid, r.chat, r.turn, r.arrival, r.after) for r in b.requests]
+    assert all(np.array_equal(x.prompt, y.prompt) and np.array_equal(x.output, y.output)
+               for x, y in zip(a.requests, b.requests))
+    c = generate(WorkloadConfig(**{**W, "seed": 4}))
+    assert any(not np.array_equal(x.prompt, y.prompt) for x, y in zip(a.requests, c.requests))
+
+
+def test_chats_resend_their_history_after_a_shared_system_prompt():
+    w = WorkloadConfig(**W)
+    trace = generate(w)
+    reqs = trace.requests
+    assert len(reqs) == w.requests and [r.rid for r in reqs] == list(range(w.requests))
+    for r in reqs:
+        assert w.output_tokens[0] <= len(r.output) <= w.output_tokens[1]
+        assert r.prompt.dtype == np.int32 and r.prompt.max() < w.vocab_size
+        if r.after < 0:
+            assert r.turn == 0
+            assert any(np.array_equal(r.prompt[: w.system_prompt_tokens], s) for s in trace.system_prompts)
+            assert w.user_tokens[0] <= len(r.prompt) - w.system_prompt_tokens <= w.user_tokens[1]
+        else:
+            prev = reqs[r.after]
+            assert prev.chat == r.chat and r.turn == prev.turn + 1 and prev.arrival <= r.arrival
+            history = np.concatenate([prev.prompt, prev.output])
+            assert np.array_equal(r.prompt[: len(history)], history)
+            assert w.user_tokens[0] <= len(r.prompt) - len(history) <= w.user_tokens[1]
+    turns = {}
+    for r in reqs:
+        turns[r.chat] = r.turn + 1
+    finished = [n for chat, n in turns.items() if chat < max(turns) - w.conversations]
+    assert finished and all(w.turns[0] <= n <= w.turns[1] for n in finished)
+
+
+def test_arrivals_are_poisson_at_the_configured_rate():
+    w = WorkloadConfig(**{**W, "requests": 4000, "arrival_rate": 2.5})
+    arrivals = np.array([r.arrival for r in generate(w).requests])
+    assert (np.diff(arrivals) >= 0).all()
+    per_step = np.bincount(arrivals)
+    assert abs(per_step.mean() - 2.5) < 0.15
+    assert abs(per_step.var() - 2.5) < 0.4  # Poisson: variance equals the mean
+
+
+def test_distinct_blocks_counts_shared_prefixes_once():
+    w = WorkloadConfig(**{**W, "requests": 1, "system_prompt_tokens": 32, "user_tokens": (16, 16),
+                          "output_tokens": (17, 17)})
+    trace = generate(w)
+    assert trace.distinct_blocks(16) == (32 + 16 + 16) // 16
+    trace.requests.append(trace.requests[0])  # the same request again adds nothing
+    assert trace.distinct_blocks(16) == 4
+
+
+# -- the scheduler ------------------------------------------------------------------------------
+def drain(sched):
+    plans = []
+    while not sched.done():
+        plan = sched.next_step()
+        plans.append(([r.req.rid for r in plan.prefills], [(r.req.rid, r.generated) for r in plan.decodes]))
+        sched.complete(plan)
+    return plans
+
+
+def test_scheduler_limits_and_order():
+    w = WorkloadConfig(**W)
+    trace = generate(w)
+    sched = Scheduler(trace, max_batch=w.max_batch, max_prefill_tokens=w.max_prefill_tokens,
+                      gpu_blocks=40, tokens_per_block=4)
+    finished_at, steps_of = {}, {}
+    while not sched.done():
+        plan = sched.next_step()
+        assert len(plan.batch) <= w.max_batch
+        assert sched.reserved <= 40
+        assert sum(r.reserved for r in sched.running) == sched.reserved
+        prefill = sum(len(r.req.prompt) for r in plan.prefills)
+        assert prefill <= w.max_prefill_tokens or len(plan.prefills) == 1
+        for r in plan.prefills:
+            assert r.req.arrival <= sched.clock
+            assert r.req.after < 0 or r.req.after in finished_at, "a turn overtook the previous one"
+        for r in plan.batch:
+            steps_of[r.req.rid] = steps_of.get(r.req.rid, 0) + 1
+        for r in sched.complete(plan):
+            finished_at[r.req.rid] = sched.step
+    assert sorted(finished_at) == list(range(w.requests))
+    assert all(steps_of[r.rid] == len(r.output) for r in trace.requests)
+
+
+def test_scheduler_is_deterministic_and_refuses_a_request_that_cannot_fit():
+    w = WorkloadConfig(**W)
+    mk = lambda: Scheduler(generate(w), max_batch=4, max_prefill_tokens=100, gpu_blocks=40,
+                           tokens_per_block=4)
+    assert drain(mk()) == drain(mk())
+    with pytest.raises(kvdist.ConfigError, match="cache.gpu"):
+        Scheduler(generate(w), max_batch=4, max_prefill_tokens=100, gpu_blocks=10, tokens_per_block=4)
+
+
+# -- the model against a cache ------------------------------------------------------------------
+def test_cached_forward_equals_a_from_scratch_recompute(tmp_path):
+    cfg = sim_cfg(tmp_path)
+    cache = kvdist.create(cfg)
+    tp = TensorParallel()
+    try:
+        lay = cache.layout
+        model = TinyModel(layers=lay.num_layers, heads=lay.num_kv_heads, head_dim=lay.head_dim, hidden=32,
+                          vocab=97, seed=1, tp=tp, device=cache.device, kv_dtype=torch.float32,
+                          tokens_per_block=lay.tokens_per_block)
+        rng = np.random.default_rng(0)
+        a = rng.integers(0, 97, 23).astype(np.int32)
+        b = rng.integers(0, 97, 9).astype(np.int32)
+        # step 1: sequence 0 prefilled whole, sequence 1 prefilled with the first 11 tokens
+        cache.begin_step()
+        cache.add_sequence(0, a.tolist())
+        cache.add_sequence(1, b.tolist())
+        table = cache.block_table([0, 1])
+        logits, written = model.forward_cached(cache, table, [Segment(0, 0, a), Segment(1, 0, b)])
+        cache.end_step()
+        assert written.shape == (32, 2, 2, 2, 8)
+        for i, toks in enumerate((a, b)):
+            torch.testing.assert_close(logits[i], model.forward_dense(toks), rtol=0, atol=1e-4)
+        # step 2: both decode one token (batched decode path)
+        cache.begin_step()
+        cache.append_tokens(0, [5])
+        cache.append_tokens(1, [7])
+        table = cache.block_table([0, 1])
+        logits, _ = model.forward_cached(cache, table, [Segment(0, 23, np.array([5], np.int32)),
+                                                        Segment(1, 9, np.array([7], np.int32))])
+        cache.end_step()
+        torch.testing.assert_close(logits[0], model.forward_dense(np.append(a, 5)), rtol=0, atol=1e-4)
+        torch.testing.assert_close(logits[1], model.forward_dense(np.append(b, 7)), rtol=0, atol=1e-4)
+        # step 3: a new prompt reuses sequence 0's full blocks and computes only the rest
+        cache.release(0)
+        c = np.concatenate([a, [5], rng.integers(0, 97, 6).astype(np.int32)])
+        cache.begin_step()
+        reused = cache.add_sequence(2, c.tolist())
+        assert reused == 24  # six full blocks, the last one completed by the decode step
+        table = cache.block_table([2])
+        logits, written = model.forward_cached(cache, table, [Segment(0, reused, c[reused:])])
+        cache.end_step()
+        assert written.shape[0] == len(c) - 24
+        torch.testing.assert_close(logits[0], model.forward_dense(c), rtol=0, atol=1e-4)
+    finally:
+        cache.close()
+        tp.free()
+
+
+# -- the integrity ledger -----------------------------------------------------------------------
+def test_ledger_digest_notices_one_changed_bit_and_unknown_blocks(tmp_path):
+    cache = kvdist.create(sim_cfg(tmp_path))
+    try:
+        ledger = BlockLedger(cache.layout, cache.device)
+        L, H, D, tpb = 2, 2, 8, 4
+        kv = torch.randn(9, L, 2, H, D)
+        ledger.admit("s", np.arange(9, dtype=np.int32))
+        ledger.written("s", 0, kv[:6])
+        ledger.written("s", 6, kv[6:], appended=None)
+        assert len(ledger.ref) == 2 and ledger.seqs["s"].tail.shape[0] == 1
+        blocks = kv[:8].unflatten(0, (2, tpb)).permute(0, 2, 3, 1, 4, 5).contiguous()
+        good = ledger.digest(blocks)
+        assert ledger.check_reused("s", good) == 0
+        flipped = blocks.clone()
+        flipped.view(torch.int32)[1, 1, 0, 2, 1, 3] ^= 1  # one bit of one word of block 1
+        assert ledger.check_reused("s", ledger.digest(flipped)) == 1
+        ledger.admit("t", np.arange(100, 108, dtype=np.int32))  # never written
+        assert ledger.check_reused("t", good) == 2
+        assert (ledger.checked_blocks, ledger.mismatched_blocks, ledger.unknown_blocks) == (6, 3, 2)
+        # A second, different write of the same prefix is a legitimate variant.
+        ledger.admit("u", np.arange(9, dtype=np.int32))
+        ledger.written("u", 0, kv[:8] + 1)
+        assert ledger.variants == 2 and ledger.check_reused("u", ledger.digest(blocks + 1)) == 0
+    finally:
+        cache.close()
+
+
+# -- whole runs at world size 1 ----------------------------------------------------------------
+def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path):
+    r = run(sim_cfg(tmp_path), RunOptions(out=str(tmp_path / "runs"), progress=False))
+    assert r["ok"] and r["integrity_mismatches"] == 0
+    assert all(r["reused_tokens"][t] > 0 for t in ("gpu", "host", "disk")), r["reused_tokens"]
+    assert r["requests"] == W["requests"] and r["world_size"] == 1
+    i = r["integrity"]
+    assert i["blocks_checked"] * 4 == sum(r["reused_tokens"].values())
+    assert i["logits_checked"] > 10 and i["logits_failed"] == 0 and i["logits_max_abs_diff"] < 1e-4
+    assert i["consistency"] == {"checks": r["steps"] // 7, "error": None}
+    computed = r["prefill_tokens_computed"]
+    assert computed["no reuse"] == r["prompt_tokens"]
+    assert computed["this run"] == r["prompt_tokens"] - sum(r["reused_tokens"].values())
+    assert computed["this run"] < computed["gpu-only"] < computed["no reuse"]
+    latest = tmp_path / "runs" / "latest"
+    assert latest.is_symlink() and latest.resolve() == Path(r["run_dir"]).resolve()
+    saved = json.loads((latest / "results.json").read_text())
+    assert all(k in saved for k in REQUIRED_KEYS) and saved["reused_tokens"] == r["reused_tokens"]
+    for png in ("hit_rate.png", "occupancy.png", "bytes_moved.png"):
+        assert (latest / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    timeline = json.loads((latest / "timeline.json").read_text())
+    assert len(timeline["prompt_tokens"]) == r["steps"]
+    assert timeline["prompt_tokens"][-1] == r["prompt_tokens"]
+
+
+def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
+    """Rule off: the cache hands back a reused block whose K was overwritten. The
+    digest check and the logits check must both report it, and the run fails."""
+    corrupted, reused_now = [], {}
+    real_create = kvdist.sim.driver.create
+
+    def corrupting_create(cfg, comm=None):
+        cache = real_create(cfg, comm)
+        add, table_of = cache.add_sequence, cache.block_table
+
+        def add_sequence(seq_id, tokens, priority=35):
+            reused_now[seq_id] = add(seq_id, tokens, priority)
+            return reused_now[seq_id]
+
+        def block_table(seq_ids):
+            table = table_of(seq_ids)
+            for row, seq_id in enumerate(seq_ids):
+                if not corrupted and reused_now.get(seq_id, 0) >= 8:  # two reused blocks
+                    cache.kv_pool(0)[table[row, 1], 0] += 1.0  # K of block 1, layer 0
+                    corrupted.append(seq_id)
+            reused_now.clear()
+            return table
+
+        cache.add_sequence, cache.block_table = add_sequence, block_table
+        return cache
+
+    monkeypatch.setattr(kvdist.sim.driver, "create", corrupting_create)
+    r = run(sim_cfg(tmp_path), RunOptions(out=None, progress=False))
+    assert corrupted
+    assert not r["ok"]
+    assert r["integrity_mismatches"] >= 1
+    assert r["integrity"]["first_mismatch"].startswith(f"sequence {corrupted[0]!r} block 1")
+    assert r["integrity"]["logits_failed"] >= 1
+
+
+def test_no_reuse_replay_proves_the_trace_fits(tmp_path):
+    sim = Simulation(sim_cfg(tmp_path, requests=40), RunOptions(out=None, progress=False))
+    try:
+        r = sim.run()
+        assert r["reused_tokens_gpu_only"] > 0
+        assert sim.shadows.reused()["no reuse"] == 0
+        assert r["prefill_tokens_saved"]["vs gpu-only"] == sum(r["reused_tokens"].values()) - \
+            r["reused_tokens_gpu_only"]
+    finally:
+        sim.close()
+
+
+# -- the metrics endpoint -----------------------------------------------------------------------
+def test_prometheus_endpoint_serves_the_latest_snapshot(tmp_path):
+    server = MetricsServer(0, host="127.0.0.1")
+    try:
+        stats = {"block_bytes": 512, "steps": 7, "prompt_tokens": 300, "hit_tokens": {"gpu": 40, "host": 8},
+                 "blocks_used": {"gpu": 3, "host": 2}, "capacity_blocks": {"gpu": 8, "host": 4},
+                 "blocks_moved": {"offload": 5, "onboard": 2}, "transfer_seconds": 0.25}
+        server.update(snapshot_from(stats, requests_done=11, mismatches=0))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+        lines = set(body.splitlines())
+        assert 'kvdist_reused_tokens_total{tier="gpu"} 40' in lines
+        assert 'kvdist_bytes_moved_total{direction="offload"} 2560' in lines
+        assert "kvdist_requests_finished_total 11" in lines and "# TYPE kvdist_blocks_used gauge" in lines
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
+    finally:
+        server.close()
