@@ -72,10 +72,22 @@ class PriorityLRU:
         return self._head[(m & -m).bit_length() - 1]
 
     def pop_victim(self) -> int:
-        """Remove and return the next slot to evict, or NO_SLOT when empty."""
-        slot = self.peek_victim()
-        if slot != NO_SLOT:
-            self.remove(slot)
+        """Remove and return the next slot to evict, or NO_SLOT when empty. The victim
+        is a list head, so only its successor's back link changes."""
+        m = self._nonempty
+        if not m:
+            return NO_SLOT
+        p = (m & -m).bit_length() - 1
+        slot = self._head[p]
+        nxt = self._next[slot]
+        self._head[p] = nxt
+        if nxt == NO_SLOT:
+            self._tail[p] = NO_SLOT
+            self._nonempty = m & ~(1 << p)
+        else:
+            self._prev[nxt] = NO_SLOT
+            self._next[slot] = NO_SLOT
+        self._len -= 1
         return slot
 
     def __iter__(self) -> Iterator[int]:

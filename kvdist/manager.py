@@ -40,9 +40,11 @@ from .blocks import (
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .layout import KVLayout
-from .prefix import PrefixIndex, block_hash, chain_hashes, digest_bytes, split, token_bytes
+from .prefix import PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
 from .transfer import ALL_RULES, DIRECTIONS, TransferEngine
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -51,8 +53,9 @@ class Sequence:
     tokens: array  # int32 token ids known to the cache
     slots: list[int]  # GPU slot of each block, in order
     priority: int
-    num_hashed: int  # leading full blocks whose hashes are known (indexed or duplicate)
+    num_hashed: int  # leading full blocks whose hashes are written into their slots' meta
     parent: bytes  # digest of block num_hashed - 1 (the salt when 0)
+    num_indexed: int = 0  # leading full blocks registered (indexed, or found duplicate)
     released: bool = False
 
 
@@ -115,15 +118,15 @@ class CacheManager:
         self.engine.copy(src, dst)
         self.transfer_seconds += time.perf_counter() - t0
 
-    def _move(self, src: int, dst: int) -> None:
-        """Move the cached block in ``src`` to the free slot ``dst`` (exclusive move)."""
+    def _move(self, src: int, dst: int, t_src: int, t_dst: int) -> None:
+        """Move the cached block in ``src`` (of tier ``t_src``) to the free slot ``dst``
+        (of tier ``t_dst``): an exclusive move, ``src`` ends on its free stack."""
         meta = self.meta
         self._copy(src, dst)
         meta.move(src, dst)
         self.index.retarget(src, dst)
         meta.state_mv[dst] = CACHED
         meta.state_mv[src] = FREE
-        t_src, t_dst = self.space.tier_of(src), self.space.tier_of(dst)
         self.free[t_src].push(src)
         self.counters.blocks_moved[DIRECTIONS[t_src, t_dst]] += 1
 
@@ -144,13 +147,13 @@ class CacheManager:
         """Evict the unreferenced cached block in ``slot`` (already out of the lists):
         move it one tier colder, or drop it; the slot ends on its free stack."""
         meta = self.meta
-        tier = self.space.tier_of(slot)
+        tier = GPU if slot < self.space.base[HOST] else self.space.tier_of(slot)
         self.counters.evictions[tier] += 1
         if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
             for colder in self._colder[tier]:
                 dst = self._take_slot(colder)
                 if dst != NO_SLOT:
-                    self._move(slot, dst)
+                    self._move(slot, dst, tier, colder)
                     self.lru[colder].push(dst)
                     return
         self.index.remove(slot)
@@ -189,9 +192,10 @@ class CacheManager:
         if isinstance(priority, bool) or not isinstance(priority, int) or \
                 not 0 <= priority < NUM_PRIORITIES:
             raise ValueError(f"priority must be an int in 0..{NUM_PRIORITIES - 1}, got {priority!r}")
-        tok = array("i")
+        if isinstance(tokens, (bytes, bytearray)):
+            tokens = list(tokens)  # array() would take these as raw bytes
         try:
-            tok.extend(tokens)
+            tok = array("i", tokens)
         except OverflowError:
             raise ValueError("token ids must fit in int32") from None
         n = len(tok)
@@ -199,20 +203,20 @@ class CacheManager:
             raise ValueError(f"sequence {seq_id!r} has no tokens")
         tpb, meta, space = self.tpb, self.meta, self.space
         n_blocks = -(-n // tpb)
+        hashes: list[int] = []
         hits: list[int] = []
-        parent = self.salt
         if self.enable_reuse:
-            tb = token_bytes(tok)
-            for i in range((n - 1) // tpb):
-                h = block_hash(parent, tb, i, tpb)
-                s = self.index.find(h)
-                if s == NO_SLOT:
-                    break
-                hits.append(s)
-                parent = digest_bytes(h)
+            # Every full block's hash at once: the leading ones find the reusable prefix,
+            # the rest go into their fresh slots' meta now and into the index at end_step.
+            hashes = chain_hashes(self.salt, memoryview(tok).cast("B"), 0, n // tpb, tpb)
+            hits = self.index.match(hashes[: (n - 1) // tpb])
         gpu_end = space.base[HOST]
-        pinned_gpu = sum(1 for s in hits if s < gpu_end and meta.ref_mv[s] == 0)
-        need = n_blocks - sum(1 for s in hits if s < gpu_end)
+        on_gpu = pinned_gpu = 0
+        for s in hits:
+            if s < gpu_end:
+                on_gpu += 1
+                pinned_gpu += meta.ref_mv[s] == 0
+        need = n_blocks - on_gpu
         available = self._available_gpu() - pinned_gpu
         if need > available:
             raise OutOfBlocksError(need, available, f"sequence {seq_id!r} ({n} tokens)")
@@ -227,19 +231,25 @@ class CacheManager:
         fresh = self._alloc_gpu(need, priority)
         slots, k = [], 0
         for s in hits:
-            tier = space.tier_of(s)
+            tier = GPU if s < gpu_end else space.tier_of(s)
             self.counters.hit_tokens[tier] += tpb
             if tier != GPU:
                 g = fresh[k]
                 k += 1
-                self._move(s, g)
+                self._move(s, g, tier, GPU)
                 meta.ref_mv[g] = 1
                 s = g
             if meta.prio_mv[s] < priority:
                 meta.prio_mv[s] = priority
             slots.append(s)
         slots.extend(fresh[k:])
-        seq = Sequence(seq_id, tok, slots, priority, len(hits), parent)
+        hi, lo = meta.hi_mv, meta.lo_mv
+        for i in range(len(hits), len(hashes)):
+            h, s = hashes[i], slots[i]
+            hi[s] = h >> 64
+            lo[s] = h & _MASK64
+        parent = digest_bytes(hashes[-1]) if hashes else self.salt
+        seq = Sequence(seq_id, tok, slots, priority, len(hashes), parent, len(hits))
         self.seqs[seq_id] = seq
         self._dirty[seq_id] = seq
         self.counters.prompt_tokens += n
@@ -286,8 +296,10 @@ class CacheManager:
         """Blocks filled in this step enter the prefix index; deferred releases run."""
         t0 = time.perf_counter()
         if self.enable_reuse:
+            tpb = self.tpb
             for seq in self._dirty.values():
-                self._register_full_blocks(seq)
+                if len(seq.tokens) // tpb > seq.num_indexed:
+                    self._register_full_blocks(seq)
         self._dirty.clear()
         for seq in self._deferred_release:
             self._free_blocks(seq)
@@ -297,18 +309,22 @@ class CacheManager:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = len(seq.tokens) // self.tpb
-        if full <= seq.num_hashed:
-            return
-        meta = self.meta
-        hashes = chain_hashes(seq.parent, token_bytes(seq.tokens), seq.num_hashed,
-                              full - seq.num_hashed, self.tpb)
-        for h, s in zip(hashes, seq.slots[seq.num_hashed : full]):
-            meta.hi_mv[s], meta.lo_mv[s] = split(h)
-            if self.index.insert(s):
-                meta.state_mv[s] = CACHED
+        meta, slots = self.meta, seq.slots
+        if full > seq.num_hashed:  # blocks filled by decode: hash them now
+            hashes = chain_hashes(seq.parent, memoryview(seq.tokens).cast("B"), seq.num_hashed,
+                                  full - seq.num_hashed, self.tpb)
+            hi, lo = meta.hi_mv, meta.lo_mv
+            for h, s in zip(hashes, slots[seq.num_hashed : full]):
+                hi[s] = h >> 64
+                lo[s] = h & _MASK64
+            seq.num_hashed = full
+            seq.parent = digest_bytes(hashes[-1])
+        insert, state = self.index.insert, meta.state_mv
+        for s in slots[seq.num_indexed : full]:
+            if insert(s):
+                state[s] = CACHED
             # else: another slot already holds this block; this copy stays private.
-        seq.num_hashed = full
-        seq.parent = digest_bytes(hashes[-1])
+        seq.num_indexed = full
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence is done. Its full blocks stay cached (evictable); the rest are

@@ -87,11 +87,11 @@ class PrefixIndex:
 
     def _probe(self, hi: int, lo: int) -> tuple[int, int]:
         """(position, slot) of the key, or (first empty position, NO_SLOT)."""
-        t, mask = self._t, self._mask
+        t, mask, his, los = self._t, self._mask, self._hi, self._lo
         i = lo & mask
         while True:
             s = t[i]
-            if s == NO_SLOT or (self._lo[s] == lo and self._hi[s] == hi):
+            if s == NO_SLOT or (los[s] == lo and his[s] == hi):
                 return i, s
             i = (i + 1) & mask
 
@@ -99,21 +99,53 @@ class PrefixIndex:
         """Slot holding the block with hash ``h``, or NO_SLOT."""
         return self._probe(h >> 64, h & _MASK64)[1]
 
+    def match(self, hashes: list[int]) -> list[int]:
+        """Slots of the longest run of leading ``hashes`` that are indexed (the prefix
+        lookup of a prompt; the probe loop is inlined, it runs once per prompt block)."""
+        t, mask, his, los = self._t, self._mask, self._hi, self._lo
+        out: list[int] = []
+        for h in hashes:
+            hi, lo = h >> 64, h & _MASK64
+            i = lo & mask
+            while True:
+                s = t[i]
+                if s == NO_SLOT:
+                    return out
+                if los[s] == lo and his[s] == hi:
+                    break
+                i = (i + 1) & mask
+            out.append(s)
+        return out
+
     def insert(self, slot: int) -> bool:
         """Index ``slot`` under the hash stored in meta. False if that hash is already
         indexed (another slot holds the same block); nothing changes then."""
-        i, s = self._probe(self._hi[slot], self._lo[slot])
-        if s != NO_SLOT:
-            return False
+        t, mask, his, los = self._t, self._mask, self._hi, self._lo
+        hi, lo = his[slot], los[slot]
+        i = lo & mask
+        while True:
+            s = t[i]
+            if s == NO_SLOT:
+                break
+            if los[s] == lo and his[s] == hi:
+                return False
+            i = (i + 1) & mask
         assert self._len < self._mask, "prefix index full"
-        self._t[i] = slot
+        t[i] = slot
         self._len += 1
         return True
 
     def _position(self, slot: int) -> int:
-        i, s = self._probe(self._hi[slot], self._lo[slot])
-        assert s == slot, f"slot {slot} is not indexed under its hash (found {s})"
-        return i
+        """Table position of ``slot`` (which must be indexed). Slots are unique in the
+        table, so the probe compares slot ids, not keys."""
+        t, mask = self._t, self._mask
+        i = self._lo[slot] & mask
+        while True:
+            s = t[i]
+            if s == slot:
+                return i
+            assert s != NO_SLOT, f"slot {slot} is not indexed under its hash"
+            i = (i + 1) & mask
 
     def retarget(self, old: int, new: int) -> None:
         """The block of slot ``old`` now lives in slot ``new`` (meta already copied)."""
@@ -129,9 +161,9 @@ class PrefixIndex:
             s = t[j]
             if s == NO_SLOT:
                 break
-            home = lo[s] & mask
-            # Move s back into the hole at i unless its home lies cyclically in (i, j].
-            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
+            # Move s back into the hole at i unless its home lies cyclically in (i, j]:
+            # the distance from home to j must be at least the distance from i to j.
+            if (j - (lo[s] & mask)) & mask >= (j - i) & mask:
                 t[i] = s
                 i = j
         t[i] = NO_SLOT
@@ -145,4 +177,6 @@ class PrefixIndex:
         assert len(occupied) == self._len, f"index holds {len(occupied)}, length says {self._len}"
         assert len(np.unique(occupied)) == len(occupied), "a slot is indexed twice"
         for s in occupied.tolist():
-            assert self._position(s) >= 0
+            # Found by its key (so no earlier slot holds the same hash), and no empty
+            # entry between its home and its position.
+            assert self._probe(self._hi[s], self._lo[s])[1] == s, f"slot {s} unreachable by its hash"
