@@ -27,10 +27,11 @@ extern "C" __global__ void spin_until_set(const volatile int* flag, long long ma
 
 
 class SpinGate:
-    """Holds a stream until the host opens the gate. The spin gives up after about ten
-    seconds (and records it), so a broken test fails instead of hanging the GPU."""
+    """Holds a stream until the host opens the gate. The spin gives up after about two
+    seconds (and records it), so a broken test (a host wait behind the gate) fails
+    instead of hanging."""
 
-    MAX_CYCLES = 20_000_000_000
+    MAX_CYCLES = 4_000_000_000
 
     def __init__(self, device: torch.device):
         from cuda.bindings import driver, nvrtc
@@ -62,6 +63,8 @@ class SpinGate:
     def close(self, stream: torch.cuda.Stream) -> None:
         """Everything queued on ``stream`` from now on waits for ``open``."""
         self.flag[0] = 0
+        with torch.cuda.stream(stream):
+            self.timed_out.zero_()
         args = [np.array([self.flag.data_ptr()], dtype=np.uint64),
                 np.array([self.MAX_CYCLES], dtype=np.int64),
                 np.array([self.timed_out.data_ptr()], dtype=np.uint64)]

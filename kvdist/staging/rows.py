@@ -39,22 +39,21 @@ class TableRows:
     def rows_for(self, seq_ids: Sequence[Hashable],
                  seqs: Mapping[Hashable, object]) -> tuple[np.ndarray, int]:
         """(row of each id, widest row) after bringing those rows up to date."""
-        bound = self._bound
+        bound, get = self._bound, seqs.get
         rows: list[int] = []
+        append = rows.append
         width = 0
-        for sid in seq_ids:
-            try:
-                seq = seqs[sid]
-            except KeyError:
-                raise KeyError(f"unknown sequence {sid!r}") from None
+        for sid in seq_ids:  # the per-step loop: kept to a few dict lookups per sequence
+            seq = get(sid)
             r = bound.get(sid)
             if r is None or r.seq is not seq:
+                if seq is None:
+                    raise KeyError(f"unknown sequence {sid!r}")
                 r = self._bind(sid, seq, seqs)
-            slots = seq.slots
-            n = len(slots)
+            n = len(seq.slots)
             if n != r.n:
-                self._sync(r, slots, n)
-            rows.append(r.row)
+                self._sync(r, seq.slots, n)
+            append(r.row)
             if n > width:
                 width = n
         return np.array(rows, dtype=np.intp), width
@@ -66,8 +65,8 @@ class TableRows:
         if width == self.table.shape[1]:
             np.take(self.table, rows, axis=0, out=out, mode="clip")
             return out
-        # numpy's take copies a non-contiguous source whole before gathering; whole rows of
-        # the contiguous table into scratch, then a strided copy, is ~10x faster.
+        # The batch lacks the widest row. numpy's take would copy the non-contiguous
+        # table[:, :width] whole first; whole rows into scratch plus a strided copy is faster.
         n = len(rows)
         if self._scratch.shape[0] < n or self._scratch.shape[1] != self.table.shape[1]:
             self._scratch = np.empty((max(n, 2 * self._scratch.shape[0]), self.table.shape[1]), np.int32)
@@ -108,8 +107,11 @@ class TableRows:
 
     def _sync(self, r: _Row, slots, n: int) -> None:
         if n > self.table.shape[1]:
+            # Exactly as wide as the widest row, so a batch that holds it (the usual decode
+            # batch) is gathered in one pass. A widening copies the table: once per block of
+            # the longest sequence, about 2/tokens_per_block of what staging its tables costs.
             rows, width = self.table.shape
-            grown = np.full((rows, max(2 * width, n)), PAD, dtype=np.int32)
+            grown = np.full((rows, n), PAD, dtype=np.int32)
             grown[:, :width] = self.table
             self.table = grown
         if n > r.n:

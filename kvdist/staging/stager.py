@@ -67,7 +67,9 @@ class Stager:
         ``upload_buffer``. Waits (counted) if the slot's last copy has not run yet."""
         assert self._open is None, "host_buffer called twice without upload"
         dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
         slot = self._slots[self._next]
         if self.protect and not self.upload.is_done(slot.marker):
             self.counters.ring_waits += 1
