@@ -212,8 +212,10 @@ def test_ledger_digest_notices_one_changed_bit_and_unknown_blocks(tmp_path):
 
 
 # -- whole runs at world size 1 ----------------------------------------------------------------
-def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path):
-    r = run(sim_cfg(tmp_path), RunOptions(out=str(tmp_path / "runs"), progress=False))
+@pytest.mark.parametrize("simulate_async", [False, True], ids=["sync", "simulated-async"])
+def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path, simulate_async):
+    cfg = sim_cfg(tmp_path).replace(cache={"simulate_async": simulate_async})
+    r = run(cfg, RunOptions(out=str(tmp_path / "runs"), progress=False))
     assert r["ok"] and r["integrity_mismatches"] == 0
     assert all(r["reused_tokens"][t] > 0 for t in ("gpu", "host", "disk")), r["reused_tokens"]
     assert r["requests"] == W["requests"] and r["world_size"] == 1

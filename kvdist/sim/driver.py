@@ -140,20 +140,7 @@ class Simulation:
         t1 = time.perf_counter()
         if not self.tp.agree([len(plan.batch), *reused]):
             raise ConsistencyError(f"ranks reused different prefixes at step {plan.step}", [])
-        self._check_reused(plan, table, reused)
-        segs = [Segment(i, n, run.req.prompt[n:]) for i, (run, n) in enumerate(zip(plan.prefills, reused))]
-        base = len(plan.prefills)
-        for j, run in enumerate(plan.decodes):
-            pos = len(run.req.prompt) + run.generated - 1
-            segs.append(Segment(base + j, pos, run.req.output[run.generated - 1: run.generated]))
-        logits, written = self.model.forward_cached(cache, table, segs)
-        offset = 0
-        for k, (seg, run) in enumerate(zip(segs, plan.batch)):
-            n = len(seg.tokens)
-            self.ledger.written(run.req.rid, seg.start, written[offset: offset + n],
-                                appended=seg.tokens if k >= base else None)
-            offset += n
-        self._check_logits(plan, reused, logits)
+        self._on_compute_stream(lambda: self._compute(plan, table, reused))
         t2 = time.perf_counter()
         cache.end_step()
         done = self.sched.complete(plan)
@@ -169,6 +156,37 @@ class Simulation:
         if every and self.sched.step % every == 0:
             self._check_consistency()
         return [run.req.rid for run in done]
+
+    def _compute(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> None:
+        """The step's device work: check the reused blocks, run the model through the
+        cache, record what it wrote, check the sampled logits."""
+        self._check_reused(plan, table, reused)
+        segs = [Segment(i, n, run.req.prompt[n:]) for i, (run, n) in enumerate(zip(plan.prefills, reused))]
+        base = len(plan.prefills)
+        for j, run in enumerate(plan.decodes):
+            pos = len(run.req.prompt) + run.generated - 1
+            segs.append(Segment(base + j, pos, run.req.output[run.generated - 1: run.generated]))
+        logits, written = self.model.forward_cached(self.cache, table, segs)
+        offset = 0
+        for k, (seg, run) in enumerate(zip(segs, plan.batch)):
+            n = len(seg.tokens)
+            self.ledger.written(run.req.rid, seg.start, written[offset: offset + n],
+                                appended=seg.tokens if k >= base else None)
+            offset += n
+        self._check_logits(plan, reused, logits)
+
+    def _on_compute_stream(self, work) -> None:
+        """Run ``work`` as the step's kernels. On CUDA and on a plain CPU cache it runs
+        now, on the current stream. With simulated streams (``cache.simulate_async``) the
+        block table and the onboarded blocks exist only once their queued copies ran, so
+        the work is queued as a kernel on the simulated compute stream behind them and
+        forced: reading them any earlier is the bug simulation exists to expose."""
+        executor = self.cache.manager.engine.executor  # no public hook for simulated kernels
+        kernel = getattr(executor, "kernel", None)
+        if kernel is None:
+            work()
+        else:
+            executor.force(kernel(work))
 
     # -- the checks ------------------------------------------------------------------------------
     def _check_reused(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> None:

@@ -1,0 +1,96 @@
+"""The main job in miniature on every rank of the MPI job (seconds): reuse from every
+tier, zero mismatches, identical results on every rank, results.json on rank 0; the
+tensor-parallel model equals one rank holding every head; placement under faked
+node layouts."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvdist
+from kvdist.sim.driver import RunOptions, run
+from kvdist.sim.model import TinyModel
+from kvdist.sim.parallel import TensorParallel
+from kvdist.sim.placement import placements
+from kvdist.sim.report import REQUIRED_KEYS
+from tests.conftest import make_cfg
+
+pytestmark = pytest.mark.mpi
+
+
+def shared_dir(tmp_path_factory, name: str) -> str:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return world.bcast(str(tmp_path_factory.mktemp(name)) if world.rank == 0 else None)
+
+
+def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    base = Path(shared_dir(tmp_path_factory, "sim"))
+    cfg = kvdist.load_config(make_cfg(
+        model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+        cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
+               "disk": {"path": str(base / "disk"), "bytes": 400 * 1024}, "simulate_async": True},
+        workload={"requests": 100, "seed": 5, "system_prompts": 3, "system_prompt_tokens": 40,
+                  "conversations": 10, "turns": [2, 5], "user_tokens": [3, 20], "output_tokens": [2, 9],
+                  "arrival_rate": 1.5, "max_batch": 6, "max_prefill_tokens": 200, "vocab_size": 97,
+                  "hidden": 32, "verify_logits_every": 3, "check_consistency_every": 10}))
+    r = run(cfg, RunOptions(out=str(base / "runs"), progress=False))
+    assert r["ok"], r["integrity"]
+    assert r["world_size"] == world.size and r["requests"] == 100
+    assert all(r["reused_tokens"][t] > 0 for t in ("gpu", "host", "disk")), r["reused_tokens"]
+    assert r["integrity_mismatches"] == 0
+    i = r["integrity"]
+    assert i["blocks_checked"] == world.size * sum(r["reused_tokens"].values()) // 4
+    assert i["logits_checked"] > 3 and i["logits_failed"] == 0
+    assert i["consistency"] == {"checks": r["steps"] // 10, "error": None}
+    assert r["bytes_offloaded"] > 0 and r["bytes_onboarded"] > 0 and r["bytes_demoted"] > 0
+    assert r["bytes_offloaded"] % world.size == 0  # every rank moved the same blocks
+    assert world.allgather(json.dumps(r, sort_keys=True)) == [json.dumps(r, sort_keys=True)] * world.size
+    if world.rank == 0:
+        saved = json.loads((base / "runs" / "latest" / "results.json").read_text())
+        assert all(k in saved for k in REQUIRED_KEYS)
+        assert saved["reused_tokens"] == r["reused_tokens"] and saved["world_size"] == world.size
+    world.Barrier()
+    assert not list((base / "disk").iterdir())  # every rank's disk file is gone
+
+
+def test_tensor_parallel_model_equals_one_rank_with_every_head():
+    from mpi4py import MPI
+
+    tp = TensorParallel()
+    solo = TensorParallel(MPI.COMM_SELF)
+    try:
+        kw = dict(layers=3, head_dim=8, hidden=24, vocab=50, seed=9, device=torch.device("cpu"),
+                  kv_dtype=torch.float32, tokens_per_block=4)
+        split = TinyModel(heads=2, tp=tp, **kw)
+        whole = TinyModel(heads=2 * tp.size, tp=solo, **kw)
+        tokens = np.random.default_rng(1).integers(0, 50, 30).astype(np.int32)
+        got = split.forward_dense(tokens)  # collective: one allreduce per layer
+        torch.testing.assert_close(got, whole.forward_dense(tokens), rtol=0, atol=1e-5)
+        if tp.size > 1:  # each rank really holds only its own heads
+            assert split.wqkv[0].shape[1] * tp.size == whole.wqkv[0].shape[1]
+    finally:
+        solo.free()
+        tp.free()
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 3])
+def test_placement_follows_the_node_local_rank(per_node, monkeypatch):
+    monkeypatch.setenv("KVDIST_FAKE_RANKS_PER_NODE", str(per_node))
+    rank, table = placements("auto", gpus_per_node=2)
+    size = len(table)
+    assert [p.rank for p in table] == list(range(size)) and table[rank].rank == rank
+    for p in table:
+        assert (p.node, p.local_rank) == (p.rank // per_node, p.rank % per_node)
+        assert p.local_size == min(per_node, size - p.node * per_node)
+        assert p.device == f"cuda:{p.local_rank % 2}"
+    monkeypatch.setenv("KVDIST_FAKE_RANKS_PER_NODE", "1")
+    _, table = placements("cpu")
+    assert all(p.device == "cpu" for p in table)
