@@ -16,14 +16,12 @@ from ..dist import comm as dist_comm
 
 
 class TensorParallel:
-    """Rank, size and node-local rank of the job, plus the collectives the model needs."""
+    """Rank and size of the job, plus the collectives the model and the report need."""
 
     def __init__(self, comm=None):
         self._c = dist_comm.resolve(comm)
         self.rank: int = self._c.rank
         self.size: int = self._c.size
-        self.local_rank: int = self._c.local_rank
-        self.local_size: int = self._c.local_size
         self.mpi = self._c.mpi  # None for a job without MPI
 
     @staticmethod
@@ -54,30 +52,12 @@ class TensorParallel:
         self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, both, op=self._c.MPI.MAX))
         return bool(np.array_equal(both[: len(a)], -both[len(a):]))
 
-    def sum_ints(self, values: list[int]) -> list[int]:
-        if self.mpi is None:
-            return list(values)
-        a = np.asarray(values, dtype=np.int64)
-        self.mpi.Allreduce(self._c.MPI.IN_PLACE, a, op=self._c.MPI.SUM)
-        return a.tolist()
-
-    def max_floats(self, values: list[float]) -> list[float]:
-        if self.mpi is None:
-            return list(values)
-        a = np.asarray(values, dtype=np.float64)
-        self.mpi.Allreduce(self._c.MPI.IN_PLACE, a, op=self._c.MPI.MAX)
-        return a.tolist()
-
     def gather(self, obj: object) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
 
     def bcast(self, obj: object) -> object:
         return obj if self.mpi is None else self.mpi.bcast(obj, root=0)
-
-    def barrier(self) -> None:
-        if self.mpi is not None:
-            self.mpi.Barrier()
 
     def free(self) -> None:
         self._c.free()

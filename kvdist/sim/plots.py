@@ -66,8 +66,9 @@ def write_plots(run_dir: Path, tl: Timeline, block_bytes: int, world_size: int) 
         if per_step.any():
             ax.plot(steps, _rolling(per_step, window) / window, color=color, lw=1.2, label=m)
     ax.set(xlabel="step", ylabel=f"MiB per step, all ranks ({window}-step mean)",
-           title="Bytes moved between tiers")
-    ax.legend(loc="upper right")
+           title="Bytes moved between tiers" + ("" if ax.lines else " (none)"))
+    if ax.lines:
+        ax.legend(loc="upper right")
     paths.append(_save(fig, run_dir / "bytes_moved.png"))
     return paths
 

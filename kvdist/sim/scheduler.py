@@ -21,11 +21,6 @@ class Running:
     generated: int = 0  # reply tokens produced so far (the prefill produces the first)
     reserved: int = 0  # worst-case GPU blocks
 
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens whose K/V is in the cache after this request's last step."""
-        return len(self.req.prompt) + max(self.generated - 1, 0)
-
 
 @dataclass(slots=True)
 class StepPlan:

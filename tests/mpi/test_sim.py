@@ -94,3 +94,36 @@ def test_placement_follows_the_node_local_rank(per_node, monkeypatch):
     monkeypatch.setenv("KVDIST_FAKE_RANKS_PER_NODE", "1")
     _, table = placements("cpu")
     assert all(p.device == "cpu" for p in table)
+
+
+def test_ranks_that_reuse_differently_stop_together(tmp_path_factory, monkeypatch):
+    """Rule off: one rank's cache reports a different reuse for one request (as a
+    diverged cache would). Every rank must stop at that step and report it."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.size == 1:
+        pytest.skip("needs two ranks to diverge")
+    base = Path(shared_dir(tmp_path_factory, "diverge"))
+    real_create = kvdist.sim.driver.create
+
+    def lying_create(cfg, comm=None):
+        cache = real_create(cfg, comm)
+        add = cache.add_sequence
+
+        def add_sequence(seq_id, tokens, priority=35):
+            n = add(seq_id, tokens, priority)
+            return n + 4 if n and world.rank == world.size - 1 else n
+
+        cache.add_sequence = add_sequence
+        return cache
+
+    monkeypatch.setattr(kvdist.sim.driver, "create", lying_create)
+    cfg = kvdist.load_config(make_cfg(
+        model={"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"},
+        cache={"device": "cpu", "gpu": {"blocks": 64}},
+        workload={"requests": 30, "system_prompt_tokens": 12, "conversations": 4, "user_tokens": [2, 6],
+                  "output_tokens": [2, 4], "vocab_size": 50, "hidden": 16}))
+    r = run(cfg, RunOptions(out=str(base / "runs"), progress=False))
+    assert not r["ok"] and r["requests"] < 30
+    assert r["integrity"]["consistency"]["error"].startswith(f"step {r['steps']}: ranks reused different")
