@@ -315,13 +315,20 @@ def test_cuda_registration_pins_in_chunks_and_copies_asynchronously():
     dev = torch.device("cuda")
     p = HostPool(layout, 256, pin=True, device=dev, chunk_bytes=16 << 20, progress=False)
     try:
-        assert p.pinned and p.raw.is_pinned() and len(p.memory.registered) == 4
-        p.raw.copy_(torch.arange(p.raw.numel(), dtype=torch.int64).view_as(p.raw).to(torch.uint8))
+        assert p.pinned and p.raw.is_pinned() and len(p.memory.registered) == 4 and p.chunk_blocks == 64
+        want = torch.arange(p.raw.numel(), dtype=torch.int64).view_as(p.raw).to(torch.uint8)
+        p.raw.copy_(want)
         g = torch.empty(p.raw.shape, dtype=torch.uint8, device=dev)
-        g.copy_(p.raw, non_blocking=True)
-        back = torch.empty_like(p.raw)
-        back.copy_(g)
-        assert torch.equal(back, p.raw)
+        # A DMA copy must stay inside one registration (the driver refuses one that
+        # spans two): one copy per chunk, both ways.
+        for k in range(0, 256, p.chunk_blocks):
+            g[k:k + p.chunk_blocks].copy_(p.raw[k:k + p.chunk_blocks], non_blocking=True)
+        torch.cuda.synchronize()
+        p.raw.zero_()
+        for k in range(0, 256, p.chunk_blocks):
+            p.raw[k:k + p.chunk_blocks].copy_(g[k:k + p.chunk_blocks], non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(p.raw, want)
     finally:
         p.close()
     assert p.memory.registered == []

@@ -45,8 +45,9 @@ def _empty_host_cache() -> None:
             return
 
 
-def _h2d_gbps(buf: torch.Tensor, dev: torch.device) -> float:
-    n = min(buf.numel(), 1 << 30)
+def _h2d_gbps(buf: torch.Tensor, dev: torch.device, n: int) -> float:
+    """Copy ``n`` bytes from the start of ``buf`` (for kvdist: inside the first chunk, as
+    a DMA copy must stay inside one registration)."""
     src = buf[:n]
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     dst.copy_(src, non_blocking=True)
@@ -56,6 +57,10 @@ def _h2d_gbps(buf: torch.Tensor, dev: torch.device) -> float:
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize(dev)
     return 3 * n / (time.perf_counter() - t0) / 1e9
+
+
+def _copy_bytes(n: int) -> int:
+    return min(n, 1 << 30)
 
 
 def _warm(nbytes: int) -> float:
@@ -71,7 +76,7 @@ def _torch_side(n: int, dev: torch.device | None) -> tuple[float, float | None]:
         x = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         dt = time.perf_counter() - t0
         assert x.is_pinned()
-        bw = _h2d_gbps(x, dev)
+        bw = _h2d_gbps(x, dev, _copy_bytes(n))
     else:
         x = torch.zeros(n, dtype=torch.uint8)
         dt, bw = time.perf_counter() - t0, None
@@ -90,7 +95,7 @@ def _kvdist_side(n: int, dev: torch.device | None, args) -> tuple[float, float |
     bw = None
     if dev is not None:
         assert mem.flat.is_pinned(), "registered memory must read as pinned"
-        bw = _h2d_gbps(mem.flat, dev)
+        bw = _h2d_gbps(mem.flat, dev, min(_copy_bytes(n), mem.chunks[0][1]))
     t1 = time.perf_counter()
     timings = mem.timings
     mem.close()

@@ -253,7 +253,11 @@ class HostMemory:
 class HostPool:
     """``raw[block, bytes]`` uint8 host memory. Pinned when ``pin`` (CUDA registration
     on ``device``, or through ``registrar`` when one is injected) so that copies to and
-    from the GPU are asynchronous DMA."""
+    from the GPU are asynchronous DMA.
+
+    Registration is per chunk of ``chunk_blocks`` blocks, and the CUDA driver refuses
+    (cudaErrorInvalidValue) a copy whose host range spans two registrations: a copy
+    that merges neighbouring blocks must break at multiples of ``chunk_blocks``."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, pin: bool, *, device: torch.device | None = None,
                  chunk_bytes: int = 1 << 30, prefault_threads: int = 0, check_memlock: bool = True,
