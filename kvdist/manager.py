@@ -20,6 +20,7 @@ import time
 from array import array
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import xxhash
@@ -297,7 +298,7 @@ class CacheManager:
         t0 = time.perf_counter()
         if self.enable_reuse:
             tpb = self.tpb
-            for seq in self._dirty.values():
+            for seq in chain(self._dirty.values(), self._deferred_release):
                 if len(seq.tokens) // tpb > seq.num_indexed:
                     self._register_full_blocks(seq)
         self._dirty.clear()
@@ -332,7 +333,9 @@ class CacheManager:
         seq = self._get(seq_id)
         del self.seqs[seq_id]
         seq.released = True
-        if seq_id in self._dirty:
+        if self._dirty.pop(seq_id, None) is not None:
+            # Filled in this step: registered, then freed, at end_step. Out of _dirty, so
+            # the same id can be added again in this step.
             self._deferred_release.append(seq)
         else:
             self._free_blocks(seq)

@@ -19,6 +19,7 @@ from array import array
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import xxhash
@@ -118,7 +119,7 @@ class BaselineBlockManager:
     def end_step(self) -> None:
         """Blocks filled in this step become reusable; deferred releases run."""
         if self.enable_reuse:
-            for seq in self._dirty.values():
+            for seq in chain(self._dirty.values(), self._deferred_release):
                 self._register(seq)
         self._dirty.clear()
         for seq in self._deferred_release:
@@ -145,7 +146,7 @@ class BaselineBlockManager:
 
     def release(self, seq_id: Hashable) -> None:
         seq = self.seqs.pop(seq_id)
-        if seq_id in self._dirty:
+        if self._dirty.pop(seq_id, None) is not None:
             self._deferred_release.append(seq)
         else:
             self._free(seq)

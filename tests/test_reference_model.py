@@ -1,0 +1,476 @@
+"""The compact structures and the whole cache bookkeeping against simple reference
+models: randomized operation sequences, exact agreement after every operation.
+
+* FreeStack vs a Python list used as a stack;
+* PriorityLRU vs a dict of (priority, insertion stamp), ordered by sorting;
+* PrefixIndex vs a dict, with keys forced onto the same home bucket (equal low bits)
+  and keys that differ only in their high half;
+* CacheManager vs :class:`RefCache`, a small pure-Python cache with the same tiers and
+  cascade rules written the obvious way (lists, dicts, ``min`` over the evictable
+  blocks): same slots, same hits, same counters, same free-stack and eviction order."""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvdist.blocks import CACHED, NO_SLOT, BlockMeta, FreeStack
+from kvdist.errors import OutOfBlocksError
+from kvdist.eviction import NUM_PRIORITIES, PriorityLRU
+from kvdist.layout import KVLayout
+from kvdist.manager import CacheManager
+from kvdist.prefix import PrefixIndex, split
+from kvdist.transfer.executors import DONE
+
+# -- FreeStack ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_free_stack_against_list(seed):
+    rng = random.Random(seed)
+    base, cap = 100 * seed, 40
+    fs = FreeStack(base, cap)
+    ref = list(range(base + cap - 1, base - 1, -1))  # pops ascending ids first
+    out: list[int] = []  # popped slots, the only ones that may be pushed back
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.35:
+            expect = ref.pop() if ref else NO_SLOT
+            assert fs.pop() == expect
+            if expect != NO_SLOT:
+                out.append(expect)
+        elif op < 0.55:
+            n = rng.randint(0, len(ref))
+            expect = [ref.pop() for _ in range(n)]
+            assert fs.pop_many(n) == expect
+            out.extend(expect)
+        elif out:
+            s = out.pop(rng.randrange(len(out)))
+            fs.push(s)
+            ref.append(s)
+        assert len(fs) == len(ref)
+        assert fs.snapshot().tolist() == ref[::-1]
+
+
+# -- PriorityLRU --------------------------------------------------------------------------------
+
+
+class RefLRU:
+    def __init__(self):
+        self.entries: dict[int, tuple[int, int]] = {}
+        self.stamp = 0
+
+    def push(self, slot: int, prio: int) -> None:
+        self.entries[slot] = (prio, self.stamp)
+        self.stamp += 1
+
+    def order(self) -> list[int]:
+        return sorted(self.entries, key=self.entries.__getitem__)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_priority_lru_against_sorted_reference(seed):
+    rng = random.Random(seed)
+    n = 64
+    meta = BlockMeta(n)
+    lru, ref = PriorityLRU(meta), RefLRU()
+    prios = [0, 1, 35, 63, 64, 100] if seed % 2 else list(range(NUM_PRIORITIES))
+    for _ in range(1500):
+        op = rng.random()
+        outside = [s for s in range(n) if s not in ref.entries]
+        if op < 0.45 and outside:
+            s = rng.choice(outside)
+            meta.prio[s] = p = rng.choice(prios)
+            lru.push(s)
+            ref.push(s, p)
+        elif op < 0.7 and ref.entries:
+            s = rng.choice(list(ref.entries))
+            lru.remove(s)
+            del ref.entries[s]
+        elif op < 0.8 and ref.entries:  # a reuse: out of the lists, later back as most recent
+            s = rng.choice(list(ref.entries))
+            lru.remove(s)
+            lru.push(s)
+            ref.push(s, ref.entries[s][0])
+        else:
+            order = ref.order()
+            expect = order[0] if order else NO_SLOT
+            assert lru.peek_victim() == expect
+            assert lru.pop_victim() == expect
+            ref.entries.pop(expect, None)
+        lru.check_invariants()
+        assert len(lru) == len(ref.entries)
+        assert list(lru) == ref.order()
+
+
+# -- PrefixIndex --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_index_against_dict_with_collisions(seed):
+    rng = random.Random(seed)
+    n = 48  # slots; the table has 128 entries
+    keys = [rng.getrandbits(128) for _ in range(24)]
+    for i in range(0, 24, 2):  # half the keys share one home bucket
+        keys[i] = (keys[i] >> 64 << 64) | (rng.getrandbits(57) << 7) | 5
+    keys += [(k ^ (1 << 100)) for k in keys[:6]]  # same low half, other high half
+    keys += [(k >> 7 << 7) | 127 for k in keys[6:10]]  # the bucket just before wrapping
+    meta = BlockMeta(n)
+    idx = PrefixIndex(n, meta)
+    assert idx._mask == 127
+    ref: dict[int, int] = {}  # hash -> slot
+    holds: dict[int, int] = {}  # slot -> hash, for every slot holding a block
+    for _ in range(2000):
+        op = rng.random()
+        free = [s for s in range(n) if s not in holds]
+        if op < 0.4 and free:
+            s, h = rng.choice(free), rng.choice(keys)
+            meta.hash_hi[s], meta.hash_lo[s] = split(h)
+            added = idx.insert(s)
+            assert added == (h not in ref)
+            if added:
+                ref[h] = s
+                holds[s] = h
+        elif op < 0.7 and ref:
+            h = rng.choice(list(ref))
+            idx.remove(ref[h])
+            del holds[ref.pop(h)]
+        elif op < 0.85 and ref and free:  # the block moves to another slot (a tier move)
+            h = rng.choice(list(ref))
+            old, new = ref[h], rng.choice(free)
+            meta.move(old, new)
+            idx.retarget(old, new)
+            ref[h] = new
+            holds[new] = holds.pop(old)
+        else:
+            chain = rng.sample(keys, rng.randint(0, 6))
+            expect = []
+            for h in chain:
+                if h not in ref:
+                    break
+                expect.append(ref[h])
+            assert idx.match(chain) == expect
+        idx.check_invariants()
+        assert len(idx) == len(ref)
+        for h in keys:
+            assert idx.find(h) == ref.get(h, NO_SLOT)
+        assert sorted(idx.slots().tolist()) == sorted(ref.values())
+
+
+# -- the whole cache ----------------------------------------------------------------------------
+
+
+class NullExecutor:
+    """No memory behind the slots: the bookkeeping alone (the engine still runs)."""
+
+    path = "none"
+
+    def submit(self, stream, direction, src, dst, deps):
+        return DONE
+
+    def record_compute(self):
+        return None
+
+    def compute_wait(self, events):
+        pass
+
+    def synchronize(self):
+        pass
+
+    @staticmethod
+    def is_done(event):
+        return True
+
+
+@dataclass
+class RefSeq:
+    tokens: list[int]
+    slots: list[int]
+    priority: int
+    registered: int  # leading full blocks registered (indexed or duplicate)
+
+
+class RefCache:
+    """The cache's bookkeeping, written plainly. Tier ``t`` owns global slots
+    ``[base[t], base[t] + capacity[t])``; a free stack per tier (a list, popped at the
+    end); an eviction order per tier (slot -> (priority, stamp), victim = min)."""
+
+    def __init__(self, capacity, tpb, salt, offload_min_priority, enable_reuse):
+        self.capacity, self.tpb, self.salt = capacity, tpb, salt
+        self.omp, self.reuse = offload_min_priority, enable_reuse
+        self.base = (0, capacity[0], capacity[0] + capacity[1])
+        self.free = [list(range(b + c - 1, b - 1, -1)) for b, c in zip(self.base, capacity)]
+        self.order: list[dict[int, tuple[int, int]]] = [{}, {}, {}]
+        self.stamp = 0
+        self.hash: dict[int, int] = {}  # slot -> hash of its cached block
+        self.prio: dict[int, int] = {}
+        self.ref: dict[int, int] = {}  # GPU slot -> references (absent when 0)
+        self.index: dict[int, int] = {}  # hash -> slot
+        self.seqs: dict[object, RefSeq] = {}
+        self.dirty: dict[object, RefSeq] = {}
+        self.deferred: list[RefSeq] = []
+        self.hit_tokens = [0, 0, 0]
+        self.evictions = [0, 0, 0]
+        self.moved: Counter = Counter()
+        self.dropped = 0
+        self.colder = {0: [t for t in (1, 2) if capacity[t]], 1: [2] if capacity[2] else [], 2: []}
+
+    def tier(self, s: int) -> int:
+        return 0 if s < self.base[1] else 1 if s < self.base[2] else 2
+
+    def hashes(self, tokens: list[int], n: int) -> list[int]:
+        out, parent = [], self.salt
+        for i in range(n):
+            block = array("i", tokens[i * self.tpb : (i + 1) * self.tpb]).tobytes()
+            h = xxhash.xxh3_128_intdigest(parent + block)
+            out.append(h)
+            parent = h.to_bytes(16, "little")
+        return out
+
+    # eviction cascade
+    def push_lru(self, s: int) -> None:
+        self.order[self.tier(s)][s] = (self.prio[s], self.stamp)
+        self.stamp += 1
+
+    def pop_lru(self, t: int) -> int | None:
+        if not self.order[t]:
+            return None
+        s = min(self.order[t], key=self.order[t].__getitem__)
+        del self.order[t][s]
+        return s
+
+    def take_slot(self, t: int) -> int | None:
+        if self.free[t]:
+            return self.free[t].pop()
+        victim = self.pop_lru(t)
+        if victim is None:
+            return None
+        self.evict(victim)
+        return self.free[t].pop()
+
+    def move(self, s: int, d: int) -> None:
+        self.hash[d], self.prio[d] = self.hash.pop(s), self.prio[s]
+        self.index[self.hash[d]] = d
+        self.free[self.tier(s)].append(s)
+        self.moved[self.tier(s), self.tier(d)] += 1
+
+    def evict(self, s: int) -> None:
+        t = self.tier(s)
+        self.evictions[t] += 1
+        if not (t == 0 and self.prio[s] < self.omp):
+            for c in self.colder[t]:
+                d = self.take_slot(c)
+                if d is not None:
+                    self.move(s, d)
+                    self.push_lru(d)
+                    return
+        del self.index[self.hash.pop(s)]
+        self.free[t].append(s)
+        self.dropped += 1
+
+    def alloc_gpu(self, n: int, priority: int) -> list[int]:
+        for _ in range(n - len(self.free[0])):
+            self.evict(self.pop_lru(0))
+        out = [self.free[0].pop() for _ in range(n)]
+        for s in out:
+            self.ref[s] = 1
+            self.prio[s] = priority
+        return out
+
+    # the step API
+    def add_sequence(self, sid, tokens: list[int], priority: int) -> int:
+        tpb, n = self.tpb, len(tokens)
+        hits = []
+        if self.reuse:
+            for h in self.hashes(tokens, (n - 1) // tpb):
+                if h not in self.index:
+                    break
+                hits.append(self.index[h])
+        on_gpu = [s for s in hits if self.tier(s) == 0]
+        need = -(-n // tpb) - len(on_gpu)
+        available = len(self.free[0]) + len(self.order[0]) - sum(s not in self.ref for s in on_gpu)
+        if need > available:
+            raise OutOfBlocksError(need, available, "reference")
+        for s in hits:
+            if self.tier(s) == 0:
+                self.order[0].pop(s, None)
+                self.ref[s] = self.ref.get(s, 0) + 1
+            else:
+                del self.order[self.tier(s)][s]
+        fresh = self.alloc_gpu(need, priority)
+        slots = []
+        for s in hits:
+            self.hit_tokens[self.tier(s)] += tpb
+            if self.tier(s) != 0:
+                g = fresh.pop(0)
+                self.move(s, g)
+                s = g
+            self.prio[s] = max(self.prio[s], priority)
+            slots.append(s)
+        self.seqs[sid] = self.dirty[sid] = RefSeq(list(tokens), slots + fresh, priority, len(hits))
+        return len(hits) * tpb
+
+    def append_tokens(self, sid, tokens: list[int]) -> None:
+        seq = self.seqs[sid]
+        need = -(-(len(seq.tokens) + len(tokens)) // self.tpb) - len(seq.slots)
+        if need > 0:
+            available = len(self.free[0]) + len(self.order[0])
+            if need > available:
+                raise OutOfBlocksError(need, available, "reference")
+            seq.slots += self.alloc_gpu(need, seq.priority)
+        seq.tokens += tokens
+        self.dirty[sid] = seq
+
+    def end_step(self) -> None:
+        if self.reuse:
+            for seq in [*self.dirty.values(), *self.deferred]:
+                full = len(seq.tokens) // self.tpb
+                for i, h in enumerate(self.hashes(seq.tokens, full)[seq.registered:], seq.registered):
+                    if h not in self.index:
+                        self.index[h] = seq.slots[i]
+                        self.hash[seq.slots[i]] = h
+                seq.registered = max(seq.registered, full)
+        self.dirty.clear()
+        for seq in self.deferred:
+            self.free_blocks(seq)
+        self.deferred.clear()
+
+    def release(self, sid) -> None:
+        seq = self.seqs.pop(sid)
+        if self.dirty.pop(sid, None) is not None:
+            self.deferred.append(seq)
+        else:
+            self.free_blocks(seq)
+
+    def free_blocks(self, seq: RefSeq) -> None:
+        for s in reversed(seq.slots):
+            self.ref[s] -= 1
+            if self.ref[s] == 0:
+                del self.ref[s]
+                if s in self.hash:
+                    self.push_lru(s)
+                else:
+                    self.free[0].append(s)
+
+
+def assert_same(m: CacheManager, ref: RefCache) -> None:
+    """Every observable of the bookkeeping agrees exactly."""
+    assert {sid: s.slots for sid, s in m.seqs.items()} == {sid: s.slots for sid, s in ref.seqs.items()}
+    assert {sid: list(s.tokens) for sid, s in m.seqs.items()} == \
+        {sid: s.tokens for sid, s in ref.seqs.items()}
+    for t in range(3):
+        if ref.capacity[t]:
+            assert m.free[t].snapshot().tolist() == ref.free[t][::-1], f"free stack of tier {t}"
+        assert list(m.lru[t]) == sorted(ref.order[t], key=ref.order[t].__getitem__), f"lru of tier {t}"
+    indexed = {(int(m.meta.hash_hi[s]) << 64) | int(m.meta.hash_lo[s]): s for s in m.index.slots().tolist()}
+    assert indexed == ref.index
+    cached = np.flatnonzero(m.meta.state == CACHED).tolist()
+    assert cached == sorted(ref.index.values())
+    assert {s: int(m.meta.prio[s]) for s in cached} == {s: ref.prio[s] for s in cached}
+    refs = {s: int(r) for s, r in enumerate(m.meta.refcnt.tolist()) if r}
+    assert refs == ref.ref
+    c = m.counters
+    assert c.hit_tokens == ref.hit_tokens
+    assert c.evictions == ref.evictions
+    assert c.dropped == ref.dropped
+    directions = {(0, 1): "offload", (1, 0): "onboard", (1, 2): "demote", (0, 2): "spill", (2, 0): "fetch"}
+    assert c.blocks_moved == {d: ref.moved[k] for k, d in directions.items()}
+
+
+CASES = [  # (gpu, host, disk), offload_min_priority, enable_reuse
+    ((6, 0, 0), 0, True),
+    ((6, 5, 0), 0, True),
+    ((5, 0, 6), 0, True),
+    ((6, 4, 7), 0, True),
+    ((8, 6, 5), 30, True),
+    ((7, 5, 5), 0, False),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("capacity,omp,reuse", CASES)
+def test_cache_manager_against_reference_cache(capacity, omp, reuse, seed):
+    rng = random.Random(hash((capacity, omp, reuse, seed)) & 0xFFFF)
+    tpb = 4
+    layout = KVLayout(1, 1, 2, "float16", tpb)
+    m = CacheManager(layout, capacity, NullExecutor(), enable_reuse=reuse, offload_min_priority=omp)
+    ref = RefCache(capacity, tpb, layout.hash_salt(), omp, reuse)
+    # A few shared prefixes over a tiny vocabulary: hits in every tier, duplicate blocks.
+    prefixes = [[rng.randrange(3) for _ in range(rng.randint(0, 13))] for _ in range(4)]
+    live: list[object] = []
+    next_id = 0
+    for _ in range(200):
+        m.begin_step()
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            if op < 0.4 or not live:
+                sid = live.pop() if live and rng.random() < 0.1 else next_id  # sometimes an id
+                if sid == next_id:                                           # released this step
+                    next_id += 1
+                else:
+                    m.release(sid)
+                    ref.release(sid)
+                tokens = rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randint(1, 9))]
+                prio = rng.choice([0, 10, 35, 35, 80])
+                try:
+                    expect = ref.add_sequence(sid, tokens, prio)
+                except OutOfBlocksError:
+                    with pytest.raises(OutOfBlocksError):
+                        m.add_sequence(sid, tokens, prio)
+                else:
+                    assert m.add_sequence(sid, tokens, prio) == expect
+                    live.append(sid)
+            elif op < 0.75:
+                sid = rng.choice(live)
+                tokens = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+                try:
+                    ref.append_tokens(sid, tokens)
+                except OutOfBlocksError:
+                    with pytest.raises(OutOfBlocksError):
+                        m.append_tokens(sid, tokens)
+                else:
+                    m.append_tokens(sid, tokens)
+            else:
+                sid = live.pop(rng.randrange(len(live)))
+                m.release(sid)
+                ref.release(sid)
+            assert_same(m, ref)
+            m.check_invariants()
+        if live:
+            table = m.table_rows(live)
+            width = max(len(ref.seqs[s].slots) for s in live)
+            assert table.tolist() == [ref.seqs[s].slots + [-1] * (width - len(ref.seqs[s].slots))
+                                      for s in live]
+        m.before_compute()
+        m.end_step()
+        ref.end_step()
+        assert_same(m, ref)
+        m.check_invariants()
+    assert sum(ref.hit_tokens) > 0 or not reuse
+    for t in range(3):
+        if capacity[t] and reuse:
+            assert ref.evictions[t] > 0, f"the run never evicted from tier {t}"
+
+
+def test_release_and_add_the_same_id_in_one_step_registers_both():
+    """The released sequence's blocks become reusable at end_step even though a new
+    sequence took its id in the same step."""
+    layout = KVLayout(1, 1, 2, "float16", 4)
+    m = CacheManager(layout, (8, 0, 0), NullExecutor())
+    m.begin_step()
+    m.add_sequence("a", list(range(8)))
+    m.release("a")
+    m.add_sequence("a", list(range(100, 108)))
+    m.end_step()
+    m.check_invariants()
+    assert len(m.index) == 4
+    m.release("a")
+    m.begin_step()
+    assert m.add_sequence("b", list(range(9))) == 8
+    assert m.add_sequence("c", list(range(100, 109))) == 8
