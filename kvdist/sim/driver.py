@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -92,10 +93,13 @@ class Simulation:
 
     def _setup(self) -> None:
         cache, cfg = self.cache, self.cfg
-        if cache.device.type == "cpu":
-            # The tiny model's matmuls are too small to gain from intra-op threads, and
-            # threads of ranks sharing cores spin against each other (15x slower seen).
-            torch.set_num_threads(1)
+        _, self.placement = placements(cfg.cache.device, self.comm)
+        me = self.placement[self.tp.rank]
+        assert me.device == str(cache.device), f"placement {me.device} but the cache is on {cache.device}"
+        # On CPU the tiny model's matmuls are too small to gain from intra-op threads, and
+        # threads of ranks sharing cores spin against each other (15x slower seen).
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(1 if cache.device.type == "cpu" else max(1, cores // me.local_size))
         layout = cache.layout
         self.kv_dtype = torch_dtype(layout.dtype)
         self.capacity = dict(cache.stats()["capacity_blocks"])
@@ -110,9 +114,6 @@ class Simulation:
         self.tolerance = logits_tolerance(self.kv_dtype)
         self.checks = _Checks()
         self.clock = _Clock()
-        _, self.placement = placements(cfg.cache.device, self.comm)
-        assert all(p.device == str(cache.device) for p in self.placement[self.tp.rank:self.tp.rank + 1]), \
-            "the placement's device differs from the cache's"
         if self.rank0:
             solo = None
             if self.tp.mpi is not None:  # the replays are this rank's alone
@@ -308,13 +309,16 @@ class Simulation:
                 results["run_dir"] = str(run_dir)
                 write_results(run_dir, results)
                 (run_dir / "timeline.json").write_text(json.dumps(self.timeline.to_json()) + "\n")
-                write_plots(run_dir, self.timeline, results["block_bytes"], self.tp.size)
+                try:
+                    plots = [p.name for p in write_plots(run_dir, self.timeline, results["block_bytes"],
+                                                         self.tp.size)]
+                except ImportError:  # matplotlib is the optional `sim` extra
+                    plots = ["no plots: matplotlib is not installed"]
                 point_latest(run_dir)
             print("\n" + render(results), flush=True)
             if self.opts.out is not None:
-                print(f"results: {results['run_dir']}/results.json (+ timeline.json, hit_rate.png, "
-                      f"occupancy.png, bytes_moved.png); {Path(self.opts.out) / 'latest'} points there",
-                      flush=True)
+                print(f"results: {results['run_dir']}/results.json (+ timeline.json, {', '.join(plots)}); "
+                      f"{Path(self.opts.out) / 'latest'} points there", flush=True)
         return self.tp.bcast(results)
 
     def _assemble(self, everyone: list[dict]) -> dict:

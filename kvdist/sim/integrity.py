@@ -57,10 +57,10 @@ class BlockLedger:
     def digest(self, blocks: torch.Tensor) -> list[int]:
         """Digests of ``blocks [n, layers, 2, tpb, heads, dim]`` (the cache's block layout)."""
         n = blocks.shape[0]
-        words = blocks.contiguous().view(n, -1).view(self._word).to(torch.int64)
+        words = blocks.contiguous().view(n, -1).view(self._word)
         out = []
         for lo in range(0, n, self._chunk):
-            out.append((words[lo: lo + self._chunk] * self._weights).sum(dim=1))
+            out.append((words[lo: lo + self._chunk].to(torch.int64) * self._weights).sum(dim=1))
         return torch.cat(out).tolist() if out else []
 
     @staticmethod

@@ -64,7 +64,7 @@ def render(r: dict) -> str:
              for m, n in r["blocks_moved_per_rank"].items() if n]
     out.append("")
     out.append(tabulate(moves, headers=["copies", "blocks/rank", "bytes, all ranks"], intfmt=",",
-                        colalign=("left", "right", "right")))
+                        colalign=("left", "right", "right")) if moves else "no copies between tiers")
     out.append(f"offloaded {human_bytes(r['bytes_offloaded'])}, "
                f"onboarded {human_bytes(r['bytes_onboarded'])}, "
                f"demoted {human_bytes(r['bytes_demoted'])} (all ranks); copies at "

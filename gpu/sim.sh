@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The main job on the H200: 4 ranks share cuda:0 (configs/h200.yaml: 8B-class, TP=4,
+# bf16 512 KiB blocks; per rank 4 GiB GPU tier, 8 GiB pinned host, 8 GiB disk). A short
+# smoke run first (stops the script if it fails), then the full run; prints the final
+# tables. Run from the repo root on the device machine:
+#   bash gpu/sim.sh                 (sources gpu/env.sh when $MPIEXEC is unset)
+# Knobs: NP=4 CONFIG=configs/h200.yaml REQUESTS=<override> SMOKE=100 (0 skips the smoke run)
+set -u
+if [ -z "${MPIEXEC:-}" ]; then source gpu/env.sh || exit 1; fi
+NP=${NP:-4}
+CONFIG=${CONFIG:-configs/h200.yaml}
+SMOKE=${SMOKE:-100}
+OUT=${OUT:-/tmp/kvdist-runs}
+export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-580}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+df -h /tmp | tail -1
+python3 -c "import torch, matplotlib; print('torch', torch.__version__, 'matplotlib', matplotlib.__version__)" \
+    2>/dev/null || echo "(matplotlib missing: no plots)"
+run() {  # progress bars go to stderr: kept out of the log, shown only on failure
+    python3 launch/kvdist-launch -n "$NP" --python python3 run --config "$CONFIG" --out "$OUT" "$@" \
+        2>/tmp/kvdist-sim.err
+    local rc=$?
+    if [ $rc -ne 0 ]; then echo "exit status $rc"; tail -40 /tmp/kvdist-sim.err; fi
+    return $rc
+}
+if [ "$SMOKE" != 0 ]; then
+    echo "== smoke: $SMOKE requests"
+    run --requests "$SMOKE" --quiet >/tmp/kvdist-smoke.log; rc=$?
+    tail -14 /tmp/kvdist-smoke.log
+    [ $rc -eq 0 ] || exit $rc
+fi
+echo "== full run"
+start=$(date +%s)
+run ${REQUESTS:+--requests "$REQUESTS"}
+echo "wall: $(( $(date +%s) - start )) s (whole job, start-up included)"
