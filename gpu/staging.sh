@@ -8,7 +8,8 @@ set -u
 source gpu/env.sh || exit 1
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 python3 -m pytest -q -p no:cacheprovider -rA tests/test_staging_cuda.py tests/test_staging.py \
-    "tests/test_integrity.py::test_churn_on_cuda_with_pinned_host_tier" 2>&1 | tail -45
+    "tests/test_integrity.py::test_churn_on_cuda_with_pinned_host_tier" 2>&1 \
+    | tee "${OUT:-/tmp}/staging-pytest.log" | tail -45
 # (progress bars go to stderr: shown only if the bench fails)
 python3 -m kvdist bench staging 2>/tmp/bench.err || tail -20 /tmp/bench.err
 python3 -m kvdist bench staging --forward-us 0 2>/tmp/bench.err || tail -20 /tmp/bench.err

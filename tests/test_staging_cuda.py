@@ -29,7 +29,9 @@ extern "C" __global__ void spin_until_set(const volatile int* flag, long long ma
 class SpinGate:
     """Holds a stream until the host opens the gate. The spin gives up after about two
     seconds (and records it), so a broken test (a host wait behind the gate) fails
-    instead of hanging."""
+    instead of hanging. A kernel used for the first time behind a closed gate is such a
+    wait: CUDA's lazy module loading waits for the running spin, so tests run their
+    kernels once before closing it."""
 
     MAX_CYCLES = 4_000_000_000
 
@@ -161,6 +163,7 @@ def test_2_gather_indices_rewritten(gate, protect):
     stager = Stager(CudaH2D(dev), protect=protect)
     pool = torch.arange(64 * 3, dtype=torch.int64, device=dev).view(64, 3)
     idx = np.array([5, 9, 2, 40, 17], dtype=np.int64)
+    pool.index_select(0, torch.zeros(1, dtype=torch.int64, device=dev))  # load the kernel now
 
     def steps():
         d_idx = stager.stage(idx)

@@ -98,6 +98,10 @@ class TableRows:
             if seqs.get(sid) is not r.seq:
                 del self._bound[sid]
                 self._unbind(r)
+        # Narrow to the widest live row, so the next batches gather in one pass again.
+        widest = max((r.n for r in self._bound.values()), default=1)
+        if widest < self.table.shape[1]:
+            self.table = np.ascontiguousarray(self.table[:, :widest])
         rows, width = self.table.shape
         if 4 * len(self._free) <= rows:
             grown = np.full((2 * rows, width), PAD, dtype=np.int32)

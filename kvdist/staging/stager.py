@@ -40,6 +40,7 @@ class _Slot:
     buf: torch.Tensor | None = None  # uint8 host memory
     host: np.ndarray | None = None  # the same memory, for numpy writers
     marker: object = None  # completion of the last copy out of buf
+    views: tuple | None = None  # (shape, dtype, host view, tensor view) of the last stage
 
 
 def _round_up(n: int, to: int) -> int:
@@ -77,8 +78,11 @@ class Stager:
             self.upload.wait(slot.marker)
         if slot.buf is None or slot.buf.numel() < nbytes:
             self._grow(slot, nbytes)
-        host = slot.host[:nbytes].view(dtype).reshape(shape)
-        src = slot.buf[:nbytes].view(_torch_dtype(dtype)).view(shape)
+        views = slot.views
+        if views is None or views[0] != shape or views[1] != dtype:  # a batch keeps its shape
+            views = slot.views = (shape, dtype, slot.host[:nbytes].view(dtype).reshape(shape),
+                                  slot.buf[:nbytes].view(_torch_dtype(dtype)).view(shape))
+        host, src = views[2], views[3]
         self._open = (slot, src, host)
         return host
 
@@ -108,6 +112,7 @@ class Stager:
         # reference to it, so dropping ours never frees memory under a copy.
         slot.buf = self.upload.alloc(size)
         slot.host = slot.buf.numpy()
+        slot.views = None
         self.counters.pinned_allocs += 1
         self.counters.pinned_bytes += size - old
 

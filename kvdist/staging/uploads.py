@@ -40,12 +40,10 @@ class CudaH2D:
     def to_device(self, src: torch.Tensor, stream=None, reuse=None):
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
-            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            dst.copy_(src, non_blocking=True)
+            dst = src.to(self.device, non_blocking=True)
         else:  # allocate on that stream too, so the allocator orders reuse after its kernels
             with torch.cuda.stream(stream):
-                dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-                dst.copy_(src, non_blocking=True)
+                dst = src.to(self.device, non_blocking=True)
         event = reuse if isinstance(reuse, torch.cuda.Event) else torch.cuda.Event()
         event.record(stream)
         return dst, event
