@@ -13,6 +13,8 @@ import torch
 
 import kvdist
 from kvdist.config import WorkloadConfig
+from kvdist.layout import KVLayout
+from kvdist.local import plan_capacity
 from kvdist.sim.driver import RunOptions, Simulation, run
 from kvdist.sim.integrity import BlockLedger
 from kvdist.sim.metrics import MetricsServer, snapshot_from
@@ -302,3 +304,28 @@ def test_prometheus_endpoint_serves_the_latest_snapshot(tmp_path):
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
     finally:
         server.close()
+
+
+# -- the shipped configs ------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["default", "h200"])
+def test_shipped_configs_overflow_the_gpu_tier_and_fit_every_request(name):
+    cfg = kvdist.load_config(ROOT / "configs" / f"{name}.yaml")
+    lay = KVLayout.from_config(cfg)
+    gpu, host, disk = plan_capacity(cfg, lay, torch.device("cpu"))
+    trace = generate(cfg.workload)
+    Scheduler(trace, max_batch=cfg.workload.max_batch, max_prefill_tokens=cfg.workload.max_prefill_tokens,
+              gpu_blocks=gpu, tokens_per_block=lay.tokens_per_block)  # raises if a request cannot fit
+    working_set = trace.distinct_blocks(lay.tokens_per_block)
+    assert working_set > 5 * gpu and working_set > gpu + host and disk > 0
+
+
+def test_multinode_example_is_a_valid_config(tmp_path):
+    import yaml
+
+    data = yaml.safe_load((ROOT / "configs" / "multinode.yaml").read_text())
+    data["cache"]["disk"]["path"] = str(tmp_path)  # validation creates the directory
+    cfg = kvdist.load_config(data)
+    assert (cfg.model.num_layers, cfg.model.num_kv_heads, cfg.cache.host.bytes) == (80, 1, "auto")
