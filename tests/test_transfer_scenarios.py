@@ -53,6 +53,11 @@ class SimHarness:
         self.release_all()
         return self.cache.block_table(seq_ids)
 
+    def go(self) -> None:
+        """The step's kernels are launched: held streams may run (on CUDA; here they
+        were released at the compute barrier already)."""
+        self.release_all()
+
     def kernel_write(self, slot: int, tag: float) -> None:
         """A kernel on the compute stream that writes the whole block."""
         self.ex.kernel(lambda: fill(self.cache, slot, tag))
@@ -93,6 +98,7 @@ class SimHarness:
         slots = self.add(sid, tokens, prio)
         self.block_table([sid])
         self.compute(sid, tag)
+        self.go()
         c.end_step()
         c.release(sid)
         c.check_invariants()
@@ -138,6 +144,7 @@ def same_host_slot_twice(h) -> dict:
     assert h.add("d", D + S, 35) == [0, 1]  # two fresh blocks: A's and C's old slots
     h.block_table(["d"])
     h.compute("d", 40.0)
+    h.go()
     c.end_step()
     c.release("d")
     c.check_invariants()
@@ -149,6 +156,7 @@ def same_host_slot_twice(h) -> dict:
     assert h.add("e", C + [99], 35) == [0, 1] and h.reused["e"] == 4  # C comes back from the host
     h.block_table(["e"])
     h.compute("e", 50.0)
+    h.go()
     c.end_step()
     c.synchronize()
     reused = block_tag(c, 0)
@@ -177,6 +185,7 @@ def swap_slots(h) -> dict:
     h.block_table(["s1", "s2"])
     h.compute("s1", 71.0)
     h.compute("s2", 72.0)
+    h.go()
     c.end_step()
     c.synchronize()
     assert h.moves("onboard") == [([0], [0])] and h.moves("offload") == [([1], [0])]
@@ -203,6 +212,7 @@ def onboard_into_offloading_slot(h) -> dict:
     assert h.add("s", Y + [2], 35) == [0, 1] and h.reused["s"] == 4
     h.block_table(["s"])
     h.compute("s", 70.0)
+    h.go()
     c.end_step()
     c.release("s")
     c.check_invariants()
@@ -214,6 +224,7 @@ def onboard_into_offloading_slot(h) -> dict:
     assert h.reused["x2"] == 4  # X comes back from host slot 1
     h.block_table(["x2"])
     h.compute("x2", 80.0)
+    h.go()
     c.end_step()
     c.synchronize()
     got["X reused"] = block_tag(c, c.manager.seqs["x2"].slots[0])
@@ -276,6 +287,7 @@ def offload_while_kernel_writes(h) -> dict:
     assert h.add("s", S + [1], 35) == [0, 1]  # evicts X into host slot 0
     h.block_table(["s"])
     h.compute("s", 70.0)
+    h.go()
     c.end_step()
     c.release("s")
     c.check_invariants()
@@ -302,6 +314,7 @@ def kernel_reads_onboarding_block(h) -> dict:
     h.block_table(["s"])
     seen = h.kernel_read(1)
     h.compute("s", 80.0)
+    h.go()
     c.end_step()
     c.release("s")
     c.check_invariants()
@@ -362,3 +375,24 @@ def test_scenario_rule_off_goes_wrong(cfg_factory, name):
         wrong = {k for k in right if got[k] != right[k]}
         assert wrong, got
     print(f"\n{name} rule off: {got} (right: {right})")
+
+
+# -- how a batch becomes few copy calls (CPU: the planning is numpy) ------------------------
+def test_coalesce_finds_runs_of_adjacent_slots():
+    import numpy as np
+
+    from kvdist.transfer.batchcopy import coalesce
+
+    src = np.array([7, 3, 4, 5, 9, 8, 0])
+    dst = np.array([2, 10, 11, 12, 30, 3, 40])
+    s0, d0, n = coalesce(src, dst)
+    # by source slot: 0->40 | 3,4,5->10,11,12 | 7,8->2,3 | 9->30
+    assert s0.tolist() == [0, 3, 7, 9] and d0.tolist() == [40, 10, 2, 30] and n.tolist() == [1, 3, 2, 1]
+    # Two copies into one slot (only without S2) never merge: each stays its own run.
+    s0, d0, n = coalesce(np.array([1, 0]), np.array([0, 0]))
+    assert s0.tolist() == [0, 1] and d0.tolist() == [0, 0] and n.tolist() == [1, 1]
+    # A host tier registered in chunks of 4 blocks: no run crosses slot 4 or 8.
+    s0, d0, n = coalesce(np.arange(2, 11), np.arange(2, 11) + 100, src_chunk=4)
+    assert s0.tolist() == [2, 4, 8] and n.tolist() == [2, 4, 3]
+    s0, d0, n = coalesce(np.arange(0, 6) + 50, np.arange(3, 9), dst_chunk=4)
+    assert d0.tolist() == [3, 4, 8] and n.tolist() == [1, 4, 1]

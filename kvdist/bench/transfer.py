@@ -66,6 +66,16 @@ class _Timer:
         return nbytes * reps / wall / 1e9, host / reps
 
 
+def _pieces(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut at the multiples of ``chunk``."""
+    out = []
+    while lo < hi:
+        end = min(hi, (lo // chunk + 1) * chunk)
+        out.append((lo, end))
+        lo = end
+    return out
+
+
 def _matmul_time(a: torch.Tensor, iters: int) -> float:
     """Seconds for ``iters`` chained matmuls on the current (compute) stream."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -102,17 +112,26 @@ def _one_size(label: str, bpb: int, n: int, timer: _Timer, path: str | None) -> 
         nbytes = n * bpb
         side = torch.cuda.Stream()
         other = torch.cuda.Stream()
+        # The host tier is registered with CUDA in chunks and one DMA copy must stay
+        # inside one: the "contiguous" ceiling is one copy per chunk (>= 1 GiB each).
+        chunk = cache._local.host.chunk_blocks or 2 * n
+        pieces, pieces_b = _pieces(0, n, chunk), _pieces(n, 2 * n, chunk)
 
         def contiguous(direction: str):
-            src, dst = (g[:n], h[:n]) if direction == "d2h" else (h[:n], g[:n])
             with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)
+                for a, b in pieces:
+                    if direction == "d2h":
+                        h[a:b].copy_(g[a:b], non_blocking=True)
+                    else:
+                        g[a:b].copy_(h[a:b], non_blocking=True)
 
         def both_contiguous():
             with torch.cuda.stream(side):
-                h[:n].copy_(g[:n], non_blocking=True)
+                for a, b in pieces:
+                    h[a:b].copy_(g[a:b], non_blocking=True)
             with torch.cuda.stream(other):
-                g[n:].copy_(h[n:], non_blocking=True)
+                for a, b in pieces_b:
+                    g[a:b].copy_(h[a:b], non_blocking=True)
 
         pairs = list(zip(g_perm[:n].tolist(), h_perm[:n].tolist()))
 
@@ -139,14 +158,16 @@ def _one_size(label: str, bpb: int, n: int, timer: _Timer, path: str | None) -> 
         res["both"], _ = timer.rate(lambda: kvdist_step([(gpu_a, host_a), (host_b, gpu_b)]), 2 * nbytes)
         res["engine us/block"] = min(t_off, t_on) / n * 1e6
         res["path"] = ex.stats()["batches_by_path"]
-        res["slowdown"] = _compute_slowdown(ex, g, h, gpu_a, h_perm[:n], h_perm[n:], gpu_b, timer)
+        res["slowdown"] = _compute_slowdown(ex, g, h, gpu_a, h_perm[:n], h_perm[n:], gpu_b, timer,
+                                            cache._local.host.chunk_blocks)
         cache.synchronize()
         return res
     finally:
         cache.close()
 
 
-def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: _Timer) -> tuple[float, float]:
+def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: _Timer,
+                      chunk: int) -> tuple[float, float]:
     """(compute slowdown %, GB/s moved meanwhile): a bf16 matmul loop on the compute
     stream alone, then while both copy streams move blocks back and forth."""
     a = torch.randn(4096, 4096, device=g.device, dtype=torch.bfloat16)
@@ -160,15 +181,15 @@ def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: _Timer) -> 
     off, on = ex.streams["offload"], ex.streams["onboard"]
     # Queue enough copies to outlast the compute loop (the copy streams never wait for it).
     t0 = time.perf_counter()
-    ex.copier.copy(off, g, h, ga, ha)
-    ex.copier.copy(on, h, g, hb, gb)
+    ex.copier.copy(off, g, h, ga, ha, dst_chunk=chunk)
+    ex.copier.copy(on, h, g, hb, gb, src_chunk=chunk)
     torch.cuda.synchronize()
     per_round = time.perf_counter() - t0
     rounds = int(1.5 * alone / per_round) + 2
     start = time.perf_counter()
     for _ in range(rounds):
-        ex.copier.copy(off, g, h, ga, ha)
-        ex.copier.copy(on, h, g, hb, gb)
+        ex.copier.copy(off, g, h, ga, ha, dst_chunk=chunk)
+        ex.copier.copy(on, h, g, hb, gb, src_chunk=chunk)
     busy = _matmul_time(a, iters)
     torch.cuda.synchronize()
     moved = rounds * 2 * len(ga) * g.shape[1] / (time.perf_counter() - start) / 1e9

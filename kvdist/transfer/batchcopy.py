@@ -51,14 +51,22 @@ class _MemcpyAttributes(ctypes.Structure):
                 ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def coalesce(src: np.ndarray, dst: np.ndarray, src_chunk: int = 0,
+             dst_chunk: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of copies whose source and destination slots are both consecutive:
-    ``(first source slot, first destination slot, blocks)`` per run, by source slot."""
+    ``(first source slot, first destination slot, blocks)`` per run, by source slot.
+    A run never crosses a multiple of ``src_chunk`` / ``dst_chunk`` (when nonzero): a
+    host tier registered with CUDA in chunks refuses a DMA copy spanning two of them."""
     if len(src) <= 1:
         return src, dst, np.ones(len(src), dtype=np.int64)
     order = np.argsort(src, kind="stable")
     s, d = src[order], dst[order]
-    breaks = np.flatnonzero((s[1:] != s[:-1] + 1) | (d[1:] != d[:-1] + 1)) + 1
+    cut = (s[1:] != s[:-1] + 1) | (d[1:] != d[:-1] + 1)
+    if src_chunk:
+        cut |= s[1:] % src_chunk == 0
+    if dst_chunk:
+        cut |= d[1:] % dst_chunk == 0
+    breaks = np.flatnonzero(cut) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.append(starts, len(s)))
     return s[starts], d[starts], lengths
@@ -182,9 +190,11 @@ class BatchCopier:
 
     # -- copying -----------------------------------------------------------------------------
     def copy(self, stream: torch.cuda.Stream, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-             src: np.ndarray, dst: np.ndarray, path: str | None = None) -> str:
+             src: np.ndarray, dst: np.ndarray, path: str | None = None, *, src_chunk: int = 0,
+             dst_chunk: int = 0) -> str:
         """Queue ``dst_rows[dst[i]] <- src_rows[src[i]]`` on ``stream`` (rows are whole
-        blocks of one 2-D uint8 tensor each); returns the path taken."""
+        blocks of one 2-D uint8 tensor each); returns the path taken. ``*_chunk``: rows
+        per CUDA registration of that side (0: one allocation), see ``coalesce``."""
         path = path or self.path
         n = len(src)
         if n == 0:
@@ -197,7 +207,7 @@ class BatchCopier:
             self._count(path, n)
             return path
         bpb = src_rows.shape[1]
-        s0, d0, length = coalesce(src, dst)
+        s0, d0, length = coalesce(src, dst, src_chunk, dst_chunk)
         if path == "memcpy-batch" and self._batch is not None:
             srcs = (src_rows.data_ptr() + s0 * bpb).astype(np.uint64)
             dsts = (dst_rows.data_ptr() + d0 * bpb).astype(np.uint64)

@@ -65,9 +65,12 @@ class CudaExecutor:
         self.gpu, self.host, self.disk, self.device = gpu, host, disk, device
         self.copier = BatchCopier(device, prefer=path)
         self.streams = {"offload": torch.cuda.Stream(device), "onboard": torch.cuda.Stream(device)}
+        index = device.index if device.index is not None else torch.cuda.current_device()
         self._workers = (ThreadPoolExecutor(disk_threads, thread_name_prefix="kvdist-xfer-disk",
-                                            initializer=torch.cuda.set_device, initargs=(device,))
+                                            initializer=torch.cuda.set_device, initargs=(index,))
                          if disk is not None else None)
+        # Host blocks per CUDA registration: a merged copy must not cross one (see coalesce).
+        self._host_chunk = int(getattr(host, "chunk_blocks", 0) or 0) if host is not None else 0
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (keep bounces alive)
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
@@ -146,8 +149,10 @@ class CudaExecutor:
             self._pump()
             st = self.streams[stream]
             self._gpu_wait(st, deps, writes_host=direction == "offload")
-            a, b = (self.gpu.raw, self.host.raw) if direction == "offload" else (self.host.raw, self.gpu.raw)
-            self.copier.copy(st, a, b, s, d)
+            if direction == "offload":
+                self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
+            else:
+                self.copier.copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
             ev = torch.cuda.Event()
             ev.record(st)
             return ev
@@ -157,7 +162,7 @@ class CudaExecutor:
         self._pump()
         workers = self._workers
         self.counters.disk_batches += 1
-        if direction == "demote":
+        if direction == "demote":  # the CPU reads the host rows: no registration limit
             rows = [self.host.raw[i] for i in s.tolist()]
             fut = workers.submit(self._write_task, deps, d.tolist(), rows)
             op = DiskOp(direction, fut)

@@ -1,0 +1,192 @@
+"""The five transfer races of ``test_transfer_scenarios.py`` on a real GPU: the GPU tier
+in CUDA memory, a pinned host tier, the CUDA executor's streams and batched copies.
+
+A "held" stream is gated deterministically: a one-thread kernel on it spins on a flag
+in pinned host memory until the test sets the flag (no sleeps, no timing). Work queued
+behind the gate waits; work that does not depend on it runs at once. So a missing
+dependency shows up as wrong bytes every time, and a present one as right bytes.
+The gate also gives up after a few seconds, a safety net that turns a test bug into
+a failure (``expired``) instead of a hang; scenario 4 uses it to show a dependency
+that should not exist."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvdist
+from kvdist.transfer import ALL_RULES
+
+from .test_transfer_scenarios import SCENARIOS, SimHarness, fill, tag_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GATE_SOURCE = r"""
+extern "C" __global__ void kvdist_gate(const volatile int *flag, int *expired, long long max_cycles) {
+    long long start = clock64();
+    while (*flag == 0) {
+        if (clock64() - start > max_cycles) { *expired = 1; return; }
+    }
+}
+"""
+
+
+class StreamGate:
+    """Holds ``stream`` until ``open()``: a spin kernel on a pinned, GPU-visible flag."""
+
+    _kernel = None
+
+    def __init__(self, stream: torch.cuda.Stream, timeout_s: float = 4.0):
+        cupy = pytest.importorskip("cupy")
+        if StreamGate._kernel is None:
+            StreamGate._kernel = cupy.RawKernel(GATE_SOURCE, "kvdist_gate")
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._expired = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        cycles = np.int64(timeout_s * 2.0e9)  # SM clock <= ~2 GHz: at least timeout_s
+        with cupy.cuda.ExternalStream(stream.cuda_stream):
+            StreamGate._kernel((1,), (1,), (np.uint64(self.flag.data_ptr()),
+                                            np.uint64(self._expired.data_ptr()), cycles))
+
+    def open(self) -> None:
+        self.flag[0] = 1
+
+    @property
+    def expired(self) -> bool:
+        return bool(self._expired[0])
+
+
+class CudaHarness:
+    """The scenario driver of test_transfer_scenarios.py on CUDA."""
+
+    def __init__(self, cfg: dict, rules=ALL_RULES, tracking: str = "slot", path: str | None = None):
+        self.cache = kvdist.create(cfg)
+        assert self.cache.device.type == "cuda" and self.cache._local.host.raw.is_pinned()
+        self.engine = self.cache.manager.engine
+        self.engine.rules, self.engine.tracking = rules, tracking
+        self.ex = self.cache._local.executor
+        if path:
+            self.ex.copier.path = path
+        self.ex.log = []
+        self.reused: dict[object, int] = {}
+        self._gates: list[StreamGate] = []
+        self.expired = 0
+
+    def _stream(self, name: str) -> torch.cuda.Stream:
+        return torch.cuda.current_stream() if name == "compute" else self.ex.streams[name]
+
+    def hold(self, stream: str) -> None:
+        self._gates.append(StreamGate(self._stream(stream)))
+
+    def release_all(self) -> None:
+        for g in self._gates:
+            g.open()
+        torch.cuda.synchronize()
+        self.expired += sum(g.expired for g in self._gates)
+        self._gates.clear()
+
+    def block_table(self, seq_ids: list) -> torch.Tensor:
+        return self.cache.block_table(seq_ids)  # the GPU waits (S5); the host does not
+
+    def go(self) -> None:
+        self.release_all()
+
+    def kernel_write(self, slot: int, tag: float) -> None:
+        fill(self.cache, slot, tag)  # on the compute (current) stream
+
+    def kernel_read(self, slot: int):
+        c = self.cache
+        seen = torch.stack([c.kv_pool(layer)[slot] for layer in range(c.layout.num_layers)]).clone()
+        return lambda: tag_of(seen)
+
+    def host_tag(self, slot: int):
+        return tag_of(self.cache._local.host.raw[slot].view(torch.float16))
+
+    def onboard_completes_while_offload_held(self) -> bool:
+        self.engine.last_event("onboard").synchronize()
+        return not self._gates[0].expired
+
+    def close(self) -> None:
+        for g in self._gates:
+            g.open()
+        torch.cuda.synchronize()
+        self.cache.close()
+
+    # The step helpers are the simulation harness's.
+    add, compute, prefill = SimHarness.add, SimHarness.compute, SimHarness.prefill
+    mark, moves = SimHarness.mark, SimHarness.moves
+
+
+def _run(cfg_factory, name: str, rule_on: bool, path: str | None) -> tuple[dict, dict, CudaHarness]:
+    fn, (gpu, host), right, (rules_off, tracking_off) = SCENARIOS[name]
+    cfg = cfg_factory(gpu=gpu, host=host, device="cuda")
+    rules, tracking = (ALL_RULES, "slot") if rule_on else (rules_off, tracking_off)
+    h = CudaHarness(cfg, rules, tracking, path)
+    try:
+        return fn(h), right, h
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("path", ["memcpy-batch", "runs", "per-block"])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_exact_bytes_with_the_rule_on_cuda(cfg_factory, name, path):
+    got, right, h = _run(cfg_factory, name, True, path)
+    assert got == right
+    assert h.expired == 0, "a gate gave up: the rule-on case waited on held work it should not need"
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_rule_off_goes_wrong_on_cuda(cfg_factory, name):
+    # Scenario 1 puts two copies into one host slot inside one batch, which has no
+    # order by definition; the serial path issues them by source slot, so A lands last.
+    path = "runs" if name == "1-same-host-slot" else None
+    got, right, h = _run(cfg_factory, name, False, path)
+    print(f"\n{name} rule off on CUDA: {got} (right: {right}), copy path {h.ex.path}")
+    if name == "4-gpu-and-host-slot0":
+        assert got == {**right, "onboard independent of the held offload": False}
+        assert h.expired == 1  # the onboard completed only once the offload's gate gave up
+    else:
+        assert got != right
+        assert h.expired == 0
+
+
+def test_batched_path_is_used_and_visible_in_stats(cfg_factory):
+    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch."""
+    cache = kvdist.create(cfg_factory(gpu=64, host=64, device="cuda"))
+    try:
+        ex = cache._local.executor
+        if ex.copier.batch_api is None:
+            pytest.skip("this CUDA runtime has no cudaMemcpyBatchAsync")
+        g, h = cache._local.gpu.raw, cache._local.host.raw
+        g.copy_(torch.arange(g.numel(), device=g.device, dtype=torch.int64).to(torch.uint8).view_as(g))
+        rng = np.random.default_rng(1)
+        src, dst = rng.permutation(64)[:40], rng.permutation(64)[:40]
+        engine, G = cache.manager.engine, cache.manager.space.base[1]
+        engine.begin_step()
+        for s, d in zip(src.tolist(), dst.tolist()):
+            engine.copy(s, G + d)
+        engine.before_compute()
+        cache.synchronize()
+        assert torch.equal(h[torch.as_tensor(dst)], g[torch.as_tensor(src)].cpu())
+        st = ex.stats()
+        assert st["batches_by_path"] == {"memcpy-batch": 1}
+        assert st["copy_calls_by_path"] == {"memcpy-batch": 1}
+        assert cache.stats()["transfer_path"] == "memcpy-batch"
+    finally:
+        cache.close()
+
+
+def test_disk_directions_on_worker_threads_keep_bytes(cfg_factory):
+    """Spill, demote and fetch through the worker threads, checked by the integrity churn."""
+    from .test_integrity import churn
+
+    cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, device="cuda"))
+    try:
+        d = churn(cache, steps=120)
+        s = cache.stats()
+        assert s["hit_tokens"]["disk"] > 0 and s["blocks_moved"]["demote"] > 0
+        assert d.mismatched_tokens == 0, d.first_mismatch
+        print(f"\nCUDA churn with disk workers: {cache._local.executor.stats()}")
+    finally:
+        cache.close()
