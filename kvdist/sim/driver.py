@@ -61,7 +61,7 @@ class _Checks:
     logits_max_abs_diff: float = 0.0
     consistency_checks: int = 0
     consistency_error: str | None = None
-    reused_with_reuse: int = 0  # prefills that reused something (the logits sample's clock)
+    prefills_with_reuse: int = 0  # prefills that reused something (the logits sample's clock)
 
 
 @dataclass(slots=True)
@@ -82,7 +82,11 @@ class Simulation:
         self.tp = TensorParallel(comm)
         self.rank0 = self.tp.rank == 0
         self.trace: Trace = generate(self.w)
-        self.cache: KVCache = create(cfg, comm=comm)
+        try:
+            self.cache: KVCache = create(cfg, comm=comm)
+        except BaseException:
+            self.tp.free()
+            raise
         self.shadows: Shadows | None = None
         self.server: MetricsServer | None = None
         try:
@@ -215,8 +219,8 @@ class Simulation:
         for i, n in enumerate(reused):
             if not n:
                 continue
-            self.checks.reused_with_reuse += 1
-            if (self.checks.reused_with_reuse - 1) % every:
+            self.checks.prefills_with_reuse += 1
+            if (self.checks.prefills_with_reuse - 1) % every:
                 continue
             ref = self.model.forward_dense(plan.prefills[i].req.prompt)
             diff = float((logits[i] - ref).abs().max())
