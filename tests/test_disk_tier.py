@@ -56,8 +56,10 @@ def test_batched_roundtrip_in_any_order(tmp_path, layout, o_direct):
             d.read(k, one.numpy())
             assert torch.equal(one, src[k - 10])
         assert d.bytes_written == 230 * bpb and d.bytes_read == 203 * bpb
+        d.check_invariants()
     finally:
         d.close()
+    d.check_invariants()
     assert files(tmp_path) == []
 
 

@@ -55,6 +55,7 @@ class DiskPool:
     def __init__(self, layout: KVLayout, num_blocks: int, directory: str, rank: int, *,
                  io_threads: int = 4, o_direct: bool = False):
         assert io_threads > 0, f"io_threads must be > 0, got {io_threads}"
+        assert num_blocks > 0, f"a disk tier needs at least one block, got {num_blocks}"
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_bytes = layout.bytes_per_block
@@ -295,6 +296,15 @@ class DiskPool:
     def read(self, slot: int, buf) -> None:
         """Read the block in ``slot`` into a writable bytes-like of ``block_bytes``."""
         self._inline(False, [slot], [buf])
+
+    def check_invariants(self) -> None:
+        if self.path is None:
+            assert self.fd is None and self._direct_fd is None and self._pool is None, \
+                "a closed pool still holds files or threads"
+            return
+        assert os.fstat(self.fd).st_size >= self.num_blocks * self.stride, "the file lost its preallocation"
+        assert self.stride >= self.block_bytes, "slots overlap"
+        assert self._direct_fd is None or self.stride % DIRECT_ALIGN == 0, "O_DIRECT slots must be aligned"
 
     # -- durability and teardown ---------------------------------------------------------------
     def sync(self) -> None:
