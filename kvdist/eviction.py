@@ -47,6 +47,31 @@ class PriorityLRU:
         self._tail[p] = slot
         self._len += 1
 
+    def push_run(self, slots: list[int]) -> None:
+        """``push`` of each of ``slots`` in order, in one pass without a call per slot:
+        consecutive slots of one priority are linked to each other directly (a released
+        sequence's blocks mostly share one)."""
+        prv, nxt, prio, heads, tails = self._prev, self._next, self._prio, self._head, self._tail
+        cur = tail = NO_SLOT
+        for s in slots:
+            p = prio[s]
+            if p != cur:
+                if cur != NO_SLOT:
+                    nxt[tail] = NO_SLOT
+                    tails[cur] = tail
+                cur, tail = p, tails[p]
+                if tail == NO_SLOT:
+                    heads[p] = s
+                    self._nonempty |= 1 << p
+            prv[s] = tail
+            if tail != NO_SLOT:
+                nxt[tail] = s
+            tail = s
+        if cur != NO_SLOT:
+            nxt[tail] = NO_SLOT
+            tails[cur] = tail
+        self._len += len(slots)
+
     def remove(self, slot: int) -> None:
         """Unlink ``slot``, which must be in this structure."""
         p = self._prio[slot]

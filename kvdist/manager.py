@@ -261,7 +261,9 @@ class CacheManager:
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Grow a sequence by decoded tokens (their K/V is written in this step)."""
         t0 = time.perf_counter()
-        seq = self._get(seq_id)
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
         old = len(seq.tokens)
         try:
             seq.tokens.extend(tokens)
@@ -341,18 +343,21 @@ class CacheManager:
             self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        meta, lru, free = self.meta, self.lru[GPU], self.free[GPU]
+        meta = self.meta
+        ref, state, free_push = meta.ref_mv, meta.state_mv, self.free[GPU].push
+        unreferenced: list[int] = []
         # Last block first: the tail of a prefix becomes the older entry, so it is
         # evicted before the blocks it depends on.
         for s in reversed(seq.slots):
-            r = meta.ref_mv[s] - 1
-            meta.ref_mv[s] = r
+            r = ref[s] - 1
+            ref[s] = r
             if r == 0:
-                if meta.state_mv[s] == CACHED:
-                    lru.push(s)
+                if state[s] == CACHED:
+                    unreferenced.append(s)
                 else:
-                    meta.state_mv[s] = FREE
-                    free.push(s)
+                    state[s] = FREE
+                    free_push(s)
+        self.lru[GPU].push_run(unreferenced)
 
     def _get(self, seq_id: Hashable) -> Sequence:
         try:

@@ -84,11 +84,18 @@ def test_priority_lru_against_sorted_reference(seed):
     for _ in range(1500):
         op = rng.random()
         outside = [s for s in range(n) if s not in ref.entries]
-        if op < 0.45 and outside:
+        if op < 0.35 and outside:
             s = rng.choice(outside)
             meta.prio[s] = p = rng.choice(prios)
             lru.push(s)
             ref.push(s, p)
+        elif op < 0.45 and len(outside) > 1:  # a released sequence's blocks, in order
+            run = rng.sample(outside, rng.randint(0, len(outside)))
+            p = rng.choice(prios)
+            for s in run:  # usually one priority; sometimes not
+                meta.prio[s] = p if rng.random() < 0.9 else rng.choice(prios)
+                ref.push(s, int(meta.prio[s]))
+            lru.push_run(run)
         elif op < 0.7 and ref.entries:
             s = rng.choice(list(ref.entries))
             lru.remove(s)
@@ -390,6 +397,7 @@ CASES = [  # (gpu, host, disk), offload_min_priority, enable_reuse
     ((6, 4, 7), 0, True),
     ((8, 6, 5), 30, True),
     ((7, 5, 5), 0, False),
+    ((96, 40, 40), 0, True),  # long sequences
 ]
 
 
@@ -402,10 +410,11 @@ def test_cache_manager_against_reference_cache(capacity, omp, reuse, seed):
     m = CacheManager(layout, capacity, NullExecutor(), enable_reuse=reuse, offload_min_priority=omp)
     ref = RefCache(capacity, tpb, layout.hash_salt(), omp, reuse)
     # A few shared prefixes over a tiny vocabulary: hits in every tier, duplicate blocks.
-    prefixes = [[rng.randrange(3) for _ in range(rng.randint(0, 13))] for _ in range(4)]
+    scale = max(1, capacity[0] // 12)  # prompt lengths grow with the GPU tier
+    prefixes = [[rng.randrange(3) for _ in range(rng.randint(0, 13 * scale))] for _ in range(4)]
     live: list[object] = []
     next_id = 0
-    for _ in range(200):
+    for _ in range(200 if scale == 1 else 60):
         m.begin_step()
         for _ in range(rng.randint(1, 4)):
             op = rng.random()
@@ -416,7 +425,7 @@ def test_cache_manager_against_reference_cache(capacity, omp, reuse, seed):
                 else:
                     m.release(sid)
                     ref.release(sid)
-                tokens = rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randint(1, 9))]
+                tokens = rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randint(1, 9 * scale))]
                 prio = rng.choice([0, 10, 35, 35, 80])
                 try:
                     expect = ref.add_sequence(sid, tokens, prio)
@@ -428,7 +437,7 @@ def test_cache_manager_against_reference_cache(capacity, omp, reuse, seed):
                     live.append(sid)
             elif op < 0.75:
                 sid = rng.choice(live)
-                tokens = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+                tokens = [rng.randrange(3) for _ in range(rng.randint(1, 6 * scale))]
                 try:
                     ref.append_tokens(sid, tokens)
                 except OutOfBlocksError:

@@ -9,10 +9,12 @@ and prints:
 * ``create()`` time of the large cache;
 * Python-side memory per block beyond the tiers' own bytes, empty and 90% full,
   measured two ways: tracemalloc (live bytes allocated through Python's allocators
-  and numpy, which reports its arrays there; the tiers are torch/mmap memory, which
-  it does not see) and the process's resident set (VmRSS delta minus the tiers'
-  bytes, both tiers being resident after create: the host tier is prefaulted and the
-  GPU pool zero-filled);
+  and numpy, which reports its arrays there, touched or not; the tiers are torch/mmap
+  memory, which it does not see) and the process's resident set (VmRSS growth since
+  before create() minus the tiers' bytes, after gc and malloc_trim; both tiers are
+  resident after create: the host tier is prefaulted, the GPU pool zero-filled). The
+  fill runs untraced unless ``--trace-fill`` (tracemalloc slows it about 8x), so by
+  default the full state is measured by RSS alone;
 * the cost of a short step (add a 64-token sequence, take its block table, end the
   step, release it) at 90% full, large vs small cache, steps of the two caches
   interleaved so that other load on the machine hits both alike; then the same step
@@ -22,6 +24,7 @@ and prints:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import time
 import tracemalloc
@@ -104,11 +107,13 @@ def fill(cache: KVCache, tokens: Tokens, label: str) -> None:
             cache.end_step()
             for sid in ids:
                 cache.release(sid)
+    # Held at once, so that each takes a distinct slot; not in a block table (they are
+    # a device to free slots, not work: thousands of table rows would be scheduler
+    # state no serving step has).
     cache.begin_step()
     ids = [("free", i) for i in range(gpu_free)]
     for sid in ids:
         cache.add_sequence(sid, tokens.take(1))
-    cache.block_table(ids)
     cache.end_step()
     for sid in ids:
         cache.release(sid)
@@ -133,10 +138,12 @@ def short_step(cache: KVCache, sid: object, tokens: list[int]) -> float:
 def interleaved_steps(caches: list[KVCache], n: int, tokens: Tokens, tag: str) -> list[np.ndarray]:
     """Per-step seconds of ``n`` short steps on each cache, alternating between them."""
     times = [np.empty(n) for _ in caches]
+    order = list(range(len(caches)))
     for i in range(n):
         toks = tokens.take(STEP_TOKENS)
-        for c, t in zip(caches, times):
-            t[i] = short_step(c, (tag, i), toks)
+        for k in order:
+            times[k][i] = short_step(caches[k], (tag, i), toks)
+        order.reverse()  # neither cache always runs right after the other
     return times
 
 
@@ -152,33 +159,53 @@ def run_until(cache: KVCache, tokens: Tokens, tag: str, done) -> int:
 @dataclass(slots=True)
 class Memory:
     traced_empty: int
-    traced_full: int
+    traced_full: int | None
     rss_empty: int
     rss_full: int
+    fill_s: float
 
 
-def build_and_fill(gpu: int, host: int, tokens: Tokens, label: str) -> tuple[KVCache, Memory]:
-    """Create and fill under tracemalloc; measure memory beyond the tiers, empty and full."""
+def settled_rss() -> int:
+    """VmRSS after a full garbage collection and returning free heap pages to the OS."""
     gc.collect()
-    rss0 = rss_bytes()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return rss_bytes()
+
+
+def build_and_fill(gpu: int, host: int, tokens: Tokens, label: str,
+                   trace_fill: bool) -> tuple[KVCache, Memory]:
+    """Create (traced) and fill a cache; memory beyond the tiers, empty and full."""
+    rss0 = settled_rss()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     cache = create(config(gpu, host))
     tiers = tier_bytes(cache)
     traced_empty = tracemalloc.get_traced_memory()[0] - base
-    rss_empty = rss_bytes() - rss0 - tiers - tracemalloc.get_tracemalloc_memory()
+    if not trace_fill:
+        tracemalloc.stop()
+    rss_empty = settled_rss() - rss0 - tiers - tracemalloc.get_tracemalloc_memory()
+    t0 = time.perf_counter()
     fill(cache, tokens, label)
-    gc.collect()
-    traced_full = tracemalloc.get_traced_memory()[0] - base
-    rss_full = rss_bytes() - rss0 - tiers - tracemalloc.get_tracemalloc_memory()
-    tracemalloc.stop()
-    return cache, Memory(traced_empty, traced_full, rss_empty, rss_full)
+    fill_s = time.perf_counter() - t0
+    traced_full = None
+    if trace_fill:
+        gc.collect()
+        traced_full = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+    rss_full = settled_rss() - rss0 - tiers
+    return cache, Memory(traced_empty, traced_full, rss_empty, rss_full, fill_s)
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvdist bench scale", description=__doc__)
     ap.add_argument("--steps", type=int, default=100, help="timed short steps per regime")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace-fill", action="store_true",
+                    help="keep tracemalloc on through the fill (about 8x slower) to measure the "
+                         "full state with it too")
     args = ap.parse_args(argv)
     # The copies here are of a few 128-byte blocks; OpenMP worker threads spinning on
     # a loaded machine made them 50x slower than one thread does.
@@ -194,22 +221,24 @@ def main(argv: list[str]) -> int:
     cache.close()
     del cache
 
-    big, mem = build_and_fill(*large, tokens, "large")
+    big, mem = build_and_fill(*large, tokens, "large", args.trace_fill)
     blocks = sum(large)
-    small_cache, small_mem = build_and_fill(*small, tokens, "small")
+    small_cache, small_mem = build_and_fill(*small, tokens, "small", args.trace_fill)
     print(f"large cache: {large[0]:,} GPU + {large[1]:,} host blocks of {big.layout.bytes_per_block} "
           f"bytes ({tier_bytes(big) / 2**20:.0f} MiB of tiers); small cache: {small[0]:,} + {small[1]:,}")
-    print(f"create() of the large cache: {create_s:.2f} s (goal < 3 s)\n")
+    print(f"create() of the large cache: {create_s:.2f} s (goal < 3 s); fill to 90% (setup): "
+          f"{mem.fill_s:.1f} s large, {small_mem.fill_s:.1f} s small\n")
 
-    def per(x: int, n: int) -> str:
-        return f"{x / n:.1f}"
+    def per(x: int | None, n: int) -> str:
+        return "-" if x is None else f"{x / n:.1f}"
 
     rows = [["empty", per(mem.traced_empty, blocks), per(mem.rss_empty, blocks), "64"],
             ["90% full", per(mem.traced_full, blocks), per(mem.rss_full, blocks), "128"]]
     print("Python-side memory beyond the tiers' own bytes, large cache, bytes per block")
-    print(tabulate(rows, headers=["state", "tracemalloc", "RSS delta", "goal <="], disable_numparse=True))
-    print(f"(small cache: {per(small_mem.traced_empty, sum(small))} empty, "
-          f"{per(small_mem.traced_full, sum(small))} full by tracemalloc)\n")
+    print(tabulate(rows, headers=["state", "tracemalloc", "RSS growth", "goal <="], disable_numparse=True))
+    print(f"(metadata arrays: {big.manager.metadata_bytes() / blocks:.1f} B per block; small cache: "
+          f"{per(small_mem.traced_empty, sum(small))} empty by tracemalloc, "
+          f"{per(small_mem.rss_full, sum(small))} full by RSS)\n")
 
     caches = [big, small_cache]
     n = min(args.steps, (small[0] - int(FILL * small[0])) // (STEP_TOKENS // TOKENS_PER_BLOCK))
