@@ -396,3 +396,43 @@ def test_coalesce_finds_runs_of_adjacent_slots():
     assert s0.tolist() == [2, 4, 8] and n.tolist() == [2, 4, 3]
     s0, d0, n = coalesce(np.arange(0, 6) + 50, np.arange(3, 9), dst_chunk=4)
     assert d0.tolist() == [3, 4, 8] and n.tolist() == [1, 4, 1]
+
+
+def test_copy_many_is_copy_one_by_one(cfg_factory):
+    """The bulk entry point makes the same batches, waits and bytes as ``copy`` in a
+    loop, including when the copies conflict with open batches or among themselves."""
+    results = []
+    for bulk in (False, True):
+        cache = kvdist.create(cfg_factory(gpu=16, host=16, simulate_async=True))
+        try:
+            ex, engine, G = cache._local.executor, cache.manager.engine, cache.manager.space.base[1]
+            ex.log = []
+            for slot in range(16):
+                fill(cache, slot, float(slot + 1))
+            rounds = [
+                ([3, 1, 2, 9], [G + 0, G + 5, G + 6, G + 7]),  # offload
+                ([G + 5, G + 6], [10, 11]),  # onboard: reads host slots being written
+                ([4, 5], [G + 8, G + 8]),  # two offloads into one host slot: a hazard inside
+                ([G + 0, G + 8], [12, 13]),  # onboard again
+            ]
+            engine.begin_step()
+            for src, dst in rounds:
+                if bulk:
+                    engine.copy_many(src, dst)
+                else:
+                    for s, d in zip(src, dst):
+                        engine.copy(s, d)
+            engine.before_compute()
+            cache.synchronize()
+            results.append((ex.log, [block_tag(cache, s) for s in range(16)],
+                            [h_tag(cache, s) for s in range(16)], engine.stats.conflict_flushes,
+                            engine.stats.waits))
+        finally:
+            cache.close()
+    assert results[0] == results[1]
+    log, gpu_tags, host_tags, flushes, waits = results[0]
+    assert gpu_tags[10:14] == [2.0, 3.0, 4.0, 6.0] and host_tags[8] == 6.0 and flushes == 3
+
+
+def h_tag(cache, slot: int):
+    return tag_of(cache._local.host.raw[slot].view(torch.float16))

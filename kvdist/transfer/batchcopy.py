@@ -101,10 +101,11 @@ class BatchCopier:
     """Runs a batch of whole-block copies ``dst_rows[d] <- src_rows[s]`` on a stream.
     ``prefer`` forces a path (tests, benchmarks); otherwise the fastest available."""
 
-    def __init__(self, device: torch.device, prefer: str | None = None):
+    def __init__(self, device: torch.device, prefer: str | None = None, *, overlap_hint: bool = True):
         assert prefer is None or prefer in PATHS, f"unknown copy path {prefer!r}"
         torch.cuda.init()
         self.device = device
+        self.overlap_hint = overlap_hint  # cudaMemcpyFlagPreferOverlapWithCompute
         self.lib, self.lib_path = loaded_cudart()
         self.runtime_version = self._runtime_version()
         self.batch_api: str | None = None  # "ctypes" | "cuda-bindings"
@@ -131,7 +132,7 @@ class BatchCopier:
     def _find_batch(self):
         attrs = _MemcpyAttributes()
         attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
-        attrs.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        attrs.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE if self.overlap_hint else 0
         idx = (ctypes.c_size_t * 1)(0)
         fn = getattr(self.lib, "cudaMemcpyBatchAsync", None) if self.lib is not None else None
         if fn is not None and self.runtime_version >= 12080:
@@ -164,7 +165,7 @@ class BatchCopier:
             return None
         attr = rt.cudaMemcpyAttributes()
         attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-        attr.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        attr.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE if self.overlap_hint else 0
 
         def call(dsts, srcs, sizes, n, stream):
             # 12.9 returns (err, failIdx), 13.x returns (err,).
