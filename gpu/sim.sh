@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The main job on the H200: 4 ranks share cuda:0 (configs/h200.yaml: 8B-class, TP=4,
-# bf16 512 KiB blocks; per rank 4 GiB GPU tier, 8 GiB pinned host, 8 GiB disk). A short
-# smoke run first (stops the script if it fails), then the full run; prints the final
+# bf16 512 KiB blocks; per rank 3 GiB GPU tier, 6 GiB pinned host, 8 GiB disk). A short
+# smoke run first if SMOKE=N (stops the script if it fails), then the full run; prints the final
 # tables. Run from the repo root on the device machine:
 #   bash gpu/sim.sh                 (sources gpu/env.sh when $MPIEXEC is unset)
-# Knobs: NP=4 CONFIG=configs/h200.yaml REQUESTS=<override> SMOKE=100 (0 skips the smoke run)
+# Knobs: NP=4 CONFIG=configs/h200.yaml REQUESTS=<override> SMOKE=<requests of a short run first>
 set -u
 if [ -z "${MPIEXEC:-}" ]; then source gpu/env.sh || exit 1; fi
 NP=${NP:-4}
 CONFIG=${CONFIG:-configs/h200.yaml}
-SMOKE=${SMOKE:-100}
+SMOKE=${SMOKE:-0}
 OUT=${OUT:-/tmp/kvdist-runs}
 export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-580}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

@@ -319,7 +319,7 @@ def test_shipped_configs_overflow_the_gpu_tier_and_fit_every_request(name):
     Scheduler(trace, max_batch=cfg.workload.max_batch, max_prefill_tokens=cfg.workload.max_prefill_tokens,
               gpu_blocks=gpu, tokens_per_block=lay.tokens_per_block)  # raises if a request cannot fit
     working_set = trace.distinct_blocks(lay.tokens_per_block)
-    assert working_set > 5 * gpu and working_set > gpu + host and disk > 0
+    assert working_set > 4 * gpu and working_set > gpu + host and disk > 0
 
 
 def test_multinode_example_is_a_valid_config(tmp_path):
