@@ -190,3 +190,24 @@ def test_disk_directions_on_worker_threads_keep_bytes(cfg_factory):
         print(f"\nCUDA churn with disk workers: {cache._local.executor.stats()}")
     finally:
         cache.close()
+
+
+def test_cuda_bindings_batch_path_copies_right():
+    """The fallback through cuda.bindings (used when ctypes cannot load the runtime)
+    copies the same bytes: checks that binding's Python signature on this image."""
+    pytest.importorskip("cuda.bindings.runtime")
+    from kvdist.transfer.batchcopy import BatchCopier
+
+    c = BatchCopier(torch.device("cuda"))
+    call = c._find_bindings_batch()
+    if call is None:
+        pytest.skip("cuda.bindings has no cudaMemcpyBatchAsync")
+    c._batch, c.path = call, "memcpy-batch"
+    g = torch.arange(32 * 64, device="cuda", dtype=torch.int32).to(torch.uint8).view(32, 64)
+    h = torch.zeros((32, 64), dtype=torch.uint8, pin_memory=True)
+    st = torch.cuda.Stream()
+    src, dst = np.array([5, 6, 7, 20, 1]), np.array([0, 1, 2, 9, 31])
+    assert c.copy(st, g, h, src, dst) == "memcpy-batch"
+    st.synchronize()
+    assert torch.equal(h[torch.as_tensor(dst)], g[torch.as_tensor(src)].cpu())
+    assert c.batch_api == "cuda-bindings" and c.api_calls["memcpy-batch"] == 1
