@@ -247,6 +247,11 @@ class TransferEngine:
             return 0
         return len(np.unique(np.concatenate([k for pair in self._keys.values() for k in pair])))
 
+    @property
+    def nbytes(self) -> int:
+        """Per-slot tracking memory (8 bytes a slot), for metadata accounting."""
+        return self._last_write.nbytes + self._last_read.nbytes
+
     def in_flight_batches(self) -> int:
         return len(self._events)
 
