@@ -391,8 +391,10 @@ class CacheManager:
                 for t in (GPU, HOST, DISK) if self.has_tier(t)}
 
     def metadata_bytes(self) -> int:
+        """Bytes of the per-slot arrays: block metadata, prefix index, free stacks and
+        the transfer engine's per-slot tracking."""
         stacks = sum(f._items.nbytes for f in self.free if f is not None)
-        return self.meta.nbytes + self.index.nbytes + stacks
+        return self.meta.nbytes + self.index.nbytes + stacks + self.engine.nbytes
 
     def state_digest(self) -> bytes:
         """xxh3-128 of the state that decides this cache's future behaviour: capacities,

@@ -236,8 +236,8 @@ def main(argv: list[str]) -> int:
             ["90% full", per(mem.traced_full, blocks), per(mem.rss_full, blocks), "128"]]
     print("Python-side memory beyond the tiers' own bytes, large cache, bytes per block")
     print(tabulate(rows, headers=["state", "tracemalloc", "RSS growth", "goal <="], disable_numparse=True))
-    print(f"(the manager's block metadata arrays: {big.manager.metadata_bytes() / blocks:.1f} B per block; "
-          f"small cache: "
+    arrays = big.manager.metadata_bytes() / blocks
+    print(f"(per-slot arrays of the manager and transfer engine: {arrays:.1f} B per block; small cache: "
           f"{per(small_mem.traced_empty, sum(small))} empty by tracemalloc, "
           f"{per(small_mem.rss_full, sum(small))} full by RSS)\n")
 
