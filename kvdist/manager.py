@@ -104,6 +104,11 @@ class CacheManager:
         # Tier order for eviction: where a block evicted from tier t may go.
         self._colder = {GPU: [t for t in (HOST, DISK) if capacity[t]],
                         HOST: [DISK] if capacity[DISK] else [], DISK: []}
+        # The copies of one cascade, handed to the engine together at its end (in order,
+        # one copy_many per run of one direction). Block tracking (a rule-off mode) keys
+        # a copy by the source's content at the call, so it gets each copy at once.
+        self._batch_moves = tracking == "slot"
+        self._moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # src, dst, direction
 
     # -- helpers ----------------------------------------------------------------------------
     def _block_id(self, slot: int) -> tuple[int, int]:
@@ -115,22 +120,42 @@ class CacheManager:
     def _available_gpu(self) -> int:
         return len(self.free[GPU]) + len(self.lru[GPU])
 
-    def _copy(self, src: int, dst: int) -> None:
-        t0 = time.perf_counter()
-        self.engine.copy(src, dst)
-        self.transfer_seconds += time.perf_counter() - t0
-
     def _move(self, src: int, dst: int, t_src: int, t_dst: int) -> None:
         """Move the cached block in ``src`` (of tier ``t_src``) to the free slot ``dst``
-        (of tier ``t_dst``): an exclusive move, ``src`` ends on its free stack."""
+        (of tier ``t_dst``): an exclusive move, ``src`` ends on its free stack. The copy
+        reaches the engine at the next ``_submit_moves``."""
         meta = self.meta
-        self._copy(src, dst)
+        srcs, dsts, dirs = self._moves
+        srcs.append(src)
+        dsts.append(dst)
+        dirs.append(3 * t_src + t_dst)
+        if not self._batch_moves:
+            self._submit_moves()
         meta.move(src, dst)
         self.index.retarget(src, dst)
         meta.state_mv[dst] = CACHED
         meta.state_mv[src] = FREE
         self.free[t_src].push(src)
         self.counters.blocks_moved[DIRECTIONS[t_src, t_dst]] += 1
+
+    def _submit_moves(self) -> None:
+        """Queue the moves made since the last call with the engine, in their order."""
+        srcs, dsts, dirs = self._moves
+        if not srcs:
+            return
+        t0 = time.perf_counter()
+        if dirs.count(dirs[0]) == len(dirs):
+            self.engine.copy_many(srcs, dsts)
+        else:
+            start = 0
+            for i in range(1, len(dirs) + 1):
+                if i == len(dirs) or dirs[i] != dirs[start]:
+                    self.engine.copy_many(srcs[start:i], dsts[start:i])
+                    start = i
+        srcs.clear()
+        dsts.clear()
+        dirs.clear()
+        self.transfer_seconds += time.perf_counter() - t0
 
     # -- the eviction cascade -----------------------------------------------------------------
     def _take_slot(self, tier: int) -> int:
@@ -169,6 +194,7 @@ class CacheManager:
         free = self.free[GPU]
         for _ in range(n - len(free)):
             self._evict(self.lru[GPU].pop_victim())
+        self._submit_moves()
         slots = free.pop_many(n)
         meta = self.meta
         for s in slots:
@@ -254,6 +280,7 @@ class CacheManager:
                         prio[g] = priority
                     s = g
                 slots.append(s)
+            self._submit_moves()
             slots.extend(fresh[k:])
         hi, lo = meta.hi_mv, meta.lo_mv
         for i in range(len(hits), len(hashes)):
