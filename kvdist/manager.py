@@ -455,6 +455,7 @@ class CacheManager:
         """Verify the structural invariants of the module docstring (O(total slots))."""
         meta, space = self.meta, self.space
         state, ref = meta.state, meta.refcnt
+        assert not self._moves[0], f"{len(self._moves[0])} moves never reached the transfer engine"
         expected_ref = np.zeros(space.total, dtype=np.int64)
         for seq in list(self.seqs.values()) + self._deferred_release:
             assert len(seq.slots) == -(-len(seq.tokens) // self.tpb), f"{seq.seq_id}: slots/tokens"
