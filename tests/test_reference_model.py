@@ -7,7 +7,11 @@ models: randomized operation sequences, exact agreement after every operation.
   and keys that differ only in their high half;
 * CacheManager vs :class:`RefCache`, a small pure-Python cache with the same tiers and
   cascade rules written the obvious way (lists, dicts, ``min`` over the evictable
-  blocks): same slots, same hits, same counters, same free-stack and eviction order."""
+  blocks): same slots, same hits, same counters, same free-stack and eviction order.
+
+Last, long cascades (dozens of blocks moved by one admission, which reach the transfer
+engine through ``copy_many``) keep every reused token's bytes exact under simulated
+streams, and corrupt them with rule S2 off."""
 
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ import numpy as np
 import pytest
 import xxhash
 
+import kvdist
 from kvdist.blocks import CACHED, NO_SLOT, BlockMeta, FreeStack
 from kvdist.errors import OutOfBlocksError
 from kvdist.eviction import NUM_PRIORITIES, PriorityLRU
 from kvdist.layout import KVLayout
 from kvdist.manager import CacheManager
 from kvdist.prefix import PrefixIndex, split
+from kvdist.testing import IntegrityDriver
 from kvdist.transfer.executors import DONE
 
 # -- FreeStack ----------------------------------------------------------------------------------
@@ -483,3 +489,52 @@ def test_release_and_add_the_same_id_in_one_step_registers_both():
     m.begin_step()
     assert m.add_sequence("b", list(range(9))) == 8
     assert m.add_sequence("c", list(range(100, 109))) == 8
+
+
+# -- long cascades, bytes checked -----------------------------------------------------------------
+
+
+def long_churn(cache, steps=40, seed=0):
+    """Prompts of 25-70 blocks over 4-token blocks: one admission moves dozens of blocks."""
+    drv = IntegrityDriver(cache)
+    rng = random.Random(seed)
+    systems = [[rng.randrange(50) for _ in range(rng.randrange(100, 200))] for _ in range(4)]
+    history: list[list[int]] = []
+    for i in range(steps):
+        drv.begin()
+        head = rng.choice(history) if history and rng.random() < 0.5 else rng.choice(systems)
+        drv.add(i, head + [rng.randrange(50) for _ in range(rng.randrange(1, 80))])
+        drv.compute()
+        drv.end()
+        drv.begin()
+        drv.append(i, [rng.randrange(50) for _ in range(3)])
+        drv.compute()
+        drv.end()
+        history.append(list(drv.seqs[i].tokens)[:220])
+        drv.release(i)
+    cache.synchronize()
+    return drv
+
+
+@pytest.mark.parametrize("rules", [None, frozenset({"S4", "S5"})], ids=["all-rules", "S2-off"])
+def test_long_cascades_keep_every_byte(cfg_factory, rules):
+    cache = kvdist.create(cfg_factory(gpu=90, host=96, disk=160, simulate_async=True))
+    try:
+        bulk = []
+        engine = cache.manager.engine
+        copy_many = engine.copy_many
+        engine.copy_many = lambda src, dst: (bulk.append(len(src)), copy_many(src, dst))
+        if rules is not None:
+            engine.rules = rules
+        drv = long_churn(cache)
+        s = cache.stats()
+        assert len(bulk) >= 10 and min(bulk) >= 32, bulk
+        assert all(s["hit_tokens"][t] > 0 for t in ("gpu", "host", "disk")), s["hit_tokens"]
+        assert drv.checked_tokens > 5000
+        if rules is None:
+            assert drv.mismatched_tokens == 0, drv.first_mismatch
+            cache.check_invariants()
+        else:
+            assert drv.mismatched_tokens > 0
+    finally:
+        cache.close()
