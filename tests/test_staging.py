@@ -325,3 +325,24 @@ def test_stats_expose_staging(cfg_factory):
                       "host_syncs": 0, "in_flight": 0}
     finally:
         cache.close()
+
+
+def test_gather_scratch_stays_bounded_when_the_width_changes():
+    """Regression: the gather scratch once doubled on every width change (24 GiB after
+    a thousand requests of the main job)."""
+    from kvdist.staging.rows import TableRows
+
+    class S:
+        def __init__(self, n):
+            self.slots = list(range(n))
+
+    tr = TableRows(rows=4, width=2)
+    seqs = {i: S(1 + i) for i in range(4)}
+    for width in range(2, 60):
+        seqs[3].slots = list(range(width))  # the widest row grows ...
+        tr.rows_for([3], seqs)
+        rows, w = tr.rows_for([0, 1], seqs)  # ... and a batch without it is gathered
+        out = np.empty((len(rows), w), np.int32)
+        tr.gather(rows, w, out)
+        assert out.tolist() == [[0, -1], [0, 1]]
+        assert tr._scratch.shape[0] <= tr.table.shape[0]

@@ -68,8 +68,12 @@ class TableRows:
         # The batch lacks the widest row. numpy's take would copy the non-contiguous
         # table[:, :width] whole first; whole rows into scratch plus a strided copy is faster.
         n = len(rows)
-        if self._scratch.shape[0] < n or self._scratch.shape[1] != self.table.shape[1]:
-            self._scratch = np.empty((max(n, 2 * self._scratch.shape[0]), self.table.shape[1]), np.int32)
+        cols = self.table.shape[1]
+        if self._scratch.shape[1] != cols:  # the table was widened or narrowed: start afresh
+            self._scratch = np.empty((n, cols), np.int32)
+        elif self._scratch.shape[0] < n:  # more rows: grow geometrically, never past the table
+            self._scratch = np.empty((min(max(n, 2 * self._scratch.shape[0]), self.table.shape[0]),
+                                      cols), np.int32)
         scratch = self._scratch[:n]
         np.take(self.table, rows, axis=0, out=scratch, mode="clip")
         np.copyto(out, scratch[:, :width])
