@@ -17,7 +17,7 @@ from .layout import KVLayout
 from .manager import CacheManager
 from .staging import Stager, make_stager
 from .storage import DiskPool, GpuPool, HostPool
-from .storage.sizing import auto_host_bytes
+from .storage.sizing import auto_host_bytes, available_memory
 from .transfer import HostCopies, SimExecutor, SyncExecutor
 
 log = logging.getLogger("kvdist.local")
@@ -42,18 +42,6 @@ def select_device(spec: str, local_rank: int = 0) -> torch.device:
     return dev
 
 
-def available_host_memory() -> int:
-    """MemAvailable of /proc/meminfo in bytes (physical pages as a fallback)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def _blocks(key: str, nbytes: int, layout: KVLayout) -> int:
     n = layout.blocks_in(nbytes)
     if nbytes and n == 0:
@@ -71,7 +59,7 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
         gpu = _blocks("cache.gpu.bytes", c.gpu.bytes, layout)
     else:
         free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else available_host_memory() // max(local_ranks, 1))
+                else available_memory() // max(local_ranks, 1))
         gpu = _blocks("cache.gpu.memory_fraction", int(free * c.gpu.memory_fraction), layout)
     if c.host.bytes == "auto":
         size = auto_host_bytes(gpu * layout.bytes_per_block, max(local_ranks, 1),

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..layout import KVLayout
 from ..manager import CacheManager
-from ..transfer.executors import DONE
+from ..transfer.executors import DONE, SyncExecutor
 from .baseline import BaselineBlockManager
 
 VOCAB = 32_000
@@ -74,26 +74,16 @@ def make_trace(requests: int, *, batch: int = 16, decode_steps: int = 48, block_
     return Trace(batches, requests, prompt_tokens, block_ops, len(batches) * (decode_steps + 1))
 
 
-class NoCopies:
+class NoCopies(SyncExecutor):
     """An executor that copies nothing: every event is complete at once."""
 
     path = "none"
 
+    def __init__(self) -> None:
+        pass
+
     def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list):
         return DONE
-
-    def record_compute(self):
-        return None
-
-    def compute_wait(self, events: list) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    @staticmethod
-    def is_done(event) -> bool:
-        return True
 
 
 def _noop() -> None:
