@@ -16,8 +16,6 @@ from .errors import (
     KVDistError,
     OutOfBlocksError,
 )
-from .local import select_device
-from .service import KVCache, create
 
 __version__ = "0.1.0"
 
@@ -26,3 +24,17 @@ __all__ = [
     "HostTierUnavailable", "InitStatus", "KVCache", "KVDistError", "OutOfBlocksError",
     "create", "load_config", "select_device",
 ]
+
+# The cache itself needs torch, whose import costs seconds. Loading it on first use lets
+# `python -m kvdist run` report a config mistake at once, before any of that.
+_LAZY = {"KVCache": ".service", "create": ".service", "select_device": ".local"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvdist' has no attribute {name!r}")

@@ -103,15 +103,31 @@ def _cli(*args, cwd=ROOT):
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name,over,key,value", BAD[:6], ids=[b[0] for b in BAD[:6]])
-def test_cli_config_mistake_is_one_line_exit_2(tmp_path, name, over, key, value):
+def _cli_mistake(tmp_path, cfg: dict, key: str, value: str):
     p = tmp_path / "bad.yaml"
-    p.write_text(yaml.safe_dump(make_cfg(**over)))
+    p.write_text(yaml.safe_dump(cfg))
     r = _cli("run", "--config", str(p))
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0] and value in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name,over,key,value", BAD, ids=[b[0] for b in BAD])
+def test_cli_config_mistake_is_one_line_exit_2(tmp_path, name, over, key, value):
+    _cli_mistake(tmp_path, make_cfg(**over), key, value)
+
+
+def test_cli_missing_key_two_gpu_sizes_and_bad_disk_path(tmp_path):
+    cfg = make_cfg()
+    del cfg["model"]["head_dim"]
+    _cli_mistake(tmp_path, cfg, "model.head_dim", "missing required key")
+    _cli_mistake(tmp_path, make_cfg(cache={"gpu": {"blocks": 8, "bytes": "1MiB"}}), "cache.gpu",
+                 "exactly one")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    bad = str(blocker / "sub")
+    _cli_mistake(tmp_path, make_cfg(cache={"disk": {"bytes": "1MiB", "path": bad}}), "cache.disk.path", bad)
 
 
 def test_cli_missing_file_and_bad_yaml(tmp_path):

@@ -34,6 +34,7 @@ def host_view(cache, ids):
 
 def intact(protect, got, baseline):
     """Protected: the device result equals the baseline. Rule off: the overwrite reached it."""
+    got = got.cpu()
     if protect:
         assert torch.equal(got, baseline), f"{got.tolist()} != {baseline.tolist()}"
     else:

@@ -10,10 +10,10 @@ import torch
 import kvdist
 from kvdist.staging import CudaH2D, Stager, TableRows
 
+from .test_staging import PROTECT, T, host_view, intact
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-PROTECT = pytest.mark.parametrize("protect", [True, False], ids=["protected", "rule-off-one-buffer"])
 
 SPIN = r"""
 extern "C" __global__ void spin_until_set(const volatile int* flag, long long max_cycles,
@@ -102,24 +102,6 @@ def cuda_cache(cfg_factory):
     yield make
     for c in caches:
         c.close()
-
-
-def T(start, n):
-    return list(range(start, start + n))
-
-
-def host_view(cache, ids):
-    rows = [list(cache.manager.seqs[i].slots) for i in ids]
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
-
-
-def intact(protect, got, baseline):
-    got = got.cpu()
-    if protect:
-        assert torch.equal(got, baseline), f"{got.tolist()} != {baseline.tolist()}"
-    else:
-        assert not torch.equal(got, baseline), "the rule-off case was expected to corrupt"
 
 
 def gated(gate, fn):

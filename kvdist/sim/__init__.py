@@ -14,9 +14,9 @@ from ..config import load_config
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``python -m kvdist run`` (on every rank)."""
+    cfg = load_config(args.config)  # first: a config mistake is reported before torch loads
     from .driver import RunOptions, run
 
-    cfg = load_config(args.config)
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       progress=not args.quiet)
     results = run(cfg, opts)
