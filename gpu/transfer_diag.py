@@ -112,7 +112,33 @@ def main() -> None:
                 cp._batch = cp._find_batch()
         return fn
 
+    def both(kind, sub=0):
+        def fn():
+            cp.sub_batch = sub
+            if kind == "raw":
+                cp.copy(off, g, h, ga, ha, dst_chunk=ck)
+                cp.copy(on, h, g, hb, gb, src_chunk=ck)
+            else:
+                engine.begin_step()
+                engine.copy_many(*off_moves)
+                engine.copy_many(*on_moves)
+                engine.before_compute()
+        return fn
+
+    # The first steps of a fresh engine, one at a time (synchronized): any warm-up cost.
+    for name, fn in (("engine d2h", step("d2h")), ("raw d2h", raw("d2h")), ("engine d2h", step("d2h"))):
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(f"first steps, {name}, ms each:", " ".join(f"{t:.2f}" for t in times), flush=True)
+
     variants = {}
+    variants["raw both"] = both("raw")
+    variants["engine both"] = both("engine")
+    variants["engine/256 both"] = both("engine", 256)
     for d in ("d2h", "h2d"):
         variants[f"raw {d}"] = raw(d)
         for sub in (128, 256, 512):
@@ -138,10 +164,18 @@ def main() -> None:
     variants["ceiling d2h"] = contiguous("d2h")
     variants["ceiling h2d"] = contiguous("h2d")
 
+    def ceiling_both():
+        with torch.cuda.stream(off):
+            h[:n].copy_(g[:n], non_blocking=True)
+        with torch.cuda.stream(on):
+            g[n:].copy_(h[n:], non_blocking=True)
+    if not ck or ck >= 2 * n:
+        variants["ceiling both"] = ceiling_both
+
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for r in range(rounds):
         for k, fn in variants.items():
-            results[k].append(rate(fn, nbytes, seconds))
+            results[k].append(rate(fn, 2 * nbytes if "both" in k else nbytes, seconds))
         print(f"round {r + 1}/{rounds} done", flush=True)
     print(f"\n{torch.cuda.get_device_name()}, {label}, {n} blocks, {rounds} rounds x {seconds} s, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
