@@ -140,11 +140,12 @@ class CudaExecutor:
             self._inflight.popleft()
 
     # -- the executor interface ---------------------------------------------------------------------
-    def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list):
-        if self.log is not None:
-            self.log.append((direction, list(src), list(dst)))
+    def submit(self, stream: str, direction: str, src, dst, deps: list):
+        """Queue one batch (local slot indices, lists or int64 arrays) after ``deps``."""
         s = np.asarray(src, dtype=np.int64)
         d = np.asarray(dst, dtype=np.int64)
+        if self.log is not None:
+            self.log.append((direction, s.tolist(), d.tolist()))
         if direction in ("offload", "onboard"):
             self._pump()
             st = self.streams[stream]

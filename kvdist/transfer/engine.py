@@ -46,19 +46,29 @@ DIRECTIONS = {
 }
 STREAM_OF = {"offload": "offload", "onboard": "onboard", "demote": "disk", "spill": "disk",
              "fetch": "disk"}
+_TIERS_OF = {v: k for k, v in DIRECTIONS.items()}
 # DIRECTIONS as a table indexed [source tier][destination tier] (None: no such move).
 _DIRECTION_OF = tuple(tuple(DIRECTIONS.get((a, b)) for b in (GPU, HOST, DISK)) for a in (GPU, HOST, DISK))
 
 
 @dataclass(slots=True)
 class _Batch:
+    """An open batch: copies of one direction not submitted yet. Single copies are in
+    ``src``/``dst``, ``copy_many`` calls add whole arrays to ``parts``; order inside a
+    batch does not matter."""
+
     direction: str
+    token: int  # marks the slots this batch touches (see TransferEngine._mark)
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
-    rkeys: list[int] = field(default_factory=list)  # tracking key read, per copy
+    parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    rkeys: list[int] = field(default_factory=list)  # tracking key read, per copy (tracking != "slot")
     wkeys: list[int] = field(default_factory=list)  # tracking key written, per copy
-    reads: set[int] = field(default_factory=set)
-    writes: set[int] = field(default_factory=set)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        srcs = [p[0] for p in self.parts] + [np.array(self.src, dtype=np.int64)]
+        dsts = [p[1] for p in self.parts] + [np.array(self.dst, dtype=np.int64)]
+        return np.concatenate(srcs), np.concatenate(dsts)
 
 
 @dataclass(slots=True)
@@ -67,6 +77,25 @@ class TransferStats:
     batches: int = 0
     conflict_flushes: int = 0
     waits: int = 0  # dependencies handed to the executor (distinct batches and S4 events)
+
+
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a`` (sorted): sort-based, faster than np.unique's
+    hashing for a few thousand mostly repeated ids."""
+    if len(a) <= 1:
+        return a
+    a = np.sort(a)
+    return a[np.concatenate(([True], a[1:] != a[:-1]))]
+
+
+def _hazards_inside(s: np.ndarray, d: np.ndarray) -> bool:
+    """Whether copies ``s[i] -> d[i]`` conflict among themselves: two into one slot,
+    or one reading a slot another writes."""
+    ds = np.sort(d)
+    if (ds[1:] == ds[:-1]).any():
+        return True
+    at = np.minimum(np.searchsorted(ds, s), len(ds) - 1)
+    return bool((ds[at] == s).any())
 
 
 _ID_MASK = 0x7FFFFFFF
@@ -91,6 +120,13 @@ class TransferEngine:
         n = max(space.total, 1)
         self._last_write = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch writing it
         self._last_read = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch reading it
+        # key -> (token << 1 | wrote) of the open batch that touched it last. A mark is
+        # live while its token belongs to an open batch; stale marks are never cleared.
+        # A key is touched by at most one open batch (a second batch touching it, even
+        # to read, first flushes the other), so one mark per key is exact.
+        self._mark = np.full(n, _NONE, dtype=np.int32)
+        self._by_token: dict[int, _Batch] = {}  # open batches by token
+        self._next_token = 0
         self._events: dict[int, object] = {}  # batch id -> event, batches in flight only
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch id -> (read, written) keys
         self._next_id = 0
@@ -113,6 +149,7 @@ class TransferEngine:
                 grow = np.full(len(self._last_write), _NONE, dtype=np.int32)
                 self._last_write = np.concatenate((self._last_write, grow))
                 self._last_read = np.concatenate((self._last_read, grow))
+                self._mark = np.concatenate((self._mark, grow))
         return key
 
     # -- submission -----------------------------------------------------------------------
@@ -126,80 +163,91 @@ class TransferEngine:
             ks, kd = src, dst
         else:
             ks, kd = self._key(src, src), self._key(dst, src)
-        if "S2" in self.rules and self._open:
-            for b in [b for b in self._open.values()
-                      if ks in b.writes or kd in b.writes or kd in b.reads]:
-                self.stats.conflict_flushes += 1
-                self._flush(b.direction)
-        b = self._open.get(direction)
-        if b is None:
-            b = self._open[direction] = _Batch(direction)
+        mark = self._mark
+        if "S2" in self.rules and self._by_token:
+            # A conflict: a live mark of a batch that wrote the key, or of a batch of
+            # another direction (which read it). A batch of this direction never reads
+            # the tier it writes, so its read marks on ks are the only harmless ones.
+            for m in (int(mark[ks]), int(mark[kd])):
+                if m >= 0:
+                    b = self._by_token.get(m >> 1)
+                    if b is not None and (m & 1 or b.direction != direction):
+                        self.stats.conflict_flushes += 1
+                        self._flush(b.direction)
+        b = self._open.get(direction) or self._open_batch(direction)
         b.src.append(src)
         b.dst.append(dst)
         if self.tracking != "slot":
             b.rkeys.append(ks)
             b.wkeys.append(kd)
-        b.reads.add(ks)
-        b.writes.add(kd)
+        tok = b.token << 1
+        mark[ks] = tok
+        mark[kd] = tok | 1
 
     def copy_many(self, src, dst) -> None:
         """Queue ``src[i] -> dst[i]`` for all i (global slots, one direction), exactly as
         ``copy`` would one by one, at a small fraction of its per-block cost when the
-        copies are free of hazards among themselves (the usual case)."""
+        copies are free of hazards among themselves (the usual case): numpy work on
+        the per-slot marks, no Python work per copy."""
         s = np.asarray(src, dtype=np.int64)
         d = np.asarray(dst, dtype=np.int64)
         assert s.shape == d.shape and s.ndim == 1, "src and dst must be 1-D and of one length"
         if len(s) == 0:
             return
-        sl, dl = s.tolist(), d.tolist()
-        tiers = np.searchsorted(np.asarray(self.space.base[1:]), s, side="right"), \
-            np.searchsorted(np.asarray(self.space.base[1:]), d, side="right")
-        uniform = (tiers[0] == tiers[0][0]).all() and (tiers[1] == tiers[1][0]).all()
-        if (self.tracking != "slot" or not uniform or len(set(dl)) < len(dl)
-                or not set(sl).isdisjoint(dl)):
-            for a, b in zip(sl, dl):  # mixed directions or hazards inside: one by one
+        bounds = np.asarray(self.space.base[1:])
+        ts, td = np.searchsorted(bounds, s, side="right"), np.searchsorted(bounds, d, side="right")
+        uniform = (ts == ts[0]).all() and (td == td[0]).all()
+        if self.tracking != "slot" or not uniform or _hazards_inside(s, d):
+            for a, b in zip(s.tolist(), d.tolist()):  # mixed directions or hazards inside: one by one
                 self.copy(a, b)
             return
-        direction = _DIRECTION_OF[int(tiers[0][0])][int(tiers[1][0])]
+        direction = _DIRECTION_OF[int(ts[0])][int(td[0])]
         assert direction is not None and int(d.max()) < self.space.total and int(s.min()) >= 0, \
-            f"no copy from slot {sl[0]} to slot {dl[0]}"
-        if "S2" in self.rules and self._open:
-            touched = set(sl)
-            touched.update(dl)
-            for b in [b for b in self._open.values()
-                      if not b.writes.isdisjoint(touched) or not b.reads.isdisjoint(dl)]:
-                self.stats.conflict_flushes += 1
-                self._flush(b.direction)
-        b = self._open.get(direction)
-        if b is None:
-            b = self._open[direction] = _Batch(direction)
-        b.src.extend(sl)
-        b.dst.extend(dl)
-        b.reads.update(sl)
-        b.writes.update(dl)
+            f"no copy from slot {int(s[0])} to slot {int(d[0])}"
+        mark = self._mark
+        if "S2" in self.rules and self._by_token:
+            m = np.concatenate((mark[s], mark[d]))
+            live = _distinct(m[m >= 0])  # the same rule as in ``copy``
+            for m in live.tolist():
+                b = self._by_token.get(m >> 1)
+                if b is not None and (m & 1 or b.direction != direction):
+                    self.stats.conflict_flushes += 1
+                    self._flush(b.direction)
+        b = self._open.get(direction) or self._open_batch(direction)
+        b.parts.append((s, d))
+        tok = b.token << 1
+        mark[s] = tok
+        mark[d] = tok | 1
+
+    def _open_batch(self, direction: str) -> _Batch:
+        b = _Batch(direction, self._next_token)
+        self._next_token = (self._next_token + 1) & (_ID_MASK >> 1)  # token << 1 stays an int32
+        self._open[direction] = self._by_token[b.token] = b
+        return b
 
     def _flush(self, direction: str) -> None:
         b = self._open.pop(direction)
-        rk = np.array(b.src if self.tracking == "slot" else b.rkeys, dtype=np.int64)
-        wk = np.array(b.dst if self.tracking == "slot" else b.wkeys, dtype=np.int64)
-        self.stats.copies[direction] += len(b.src)
+        del self._by_token[b.token]
+        src, dst = b.arrays()
+        rk = src if self.tracking == "slot" else np.array(b.rkeys, dtype=np.int64)
+        wk = dst if self.tracking == "slot" else np.array(b.wkeys, dtype=np.int64)
+        self.stats.copies[direction] += len(src)
         deps: list = []
         if "S2" in self.rules and self._events:
             # Writes wait for the last write and the reads since; reads for the last
             # write; and a read for an earlier pending read (keeps one read entry exact).
             lw, lr = self._last_write, self._last_read
-            ids = np.unique(np.concatenate((lw[rk], lw[wk], lr[wk], lr[rk])))
+            ids = _distinct(np.concatenate((lw[rk], lw[wk], lr[wk], lr[rk])))
             events = self._events
             deps = [events[i] for i in ids.tolist() if i in events]
         if "S4" in self.rules and self._compute_event is not None:
             deps.append(self._compute_event)
         self.stats.waits += len(deps)
-        base_s = self.space.base[self.space.tier_of(b.src[0])]
-        base_d = self.space.base[self.space.tier_of(b.dst[0])]
+        tier_s, tier_d = _TIERS_OF[direction]
+        base_s, base_d = self.space.base[tier_s], self.space.base[tier_d]
         stream = STREAM_OF[direction]
-        src_local = (np.array(b.src, dtype=np.int64) - base_s).tolist() if base_s else b.src
-        dst_local = (np.array(b.dst, dtype=np.int64) - base_d).tolist() if base_d else b.dst
-        ev = self.executor.submit(stream, direction, src_local, dst_local, deps)
+        ev = self.executor.submit(stream, direction, src - base_s if base_s else src,
+                                  dst - base_d if base_d else dst, deps)
         bid = self._next_id
         self._next_id = (bid + 1) & _ID_MASK
         self._events[bid] = ev
@@ -251,6 +299,26 @@ class TransferEngine:
     def nbytes(self) -> int:
         """Per-slot tracking memory (8 bytes a slot), for metadata accounting."""
         return self._last_write.nbytes + self._last_read.nbytes
+
+    def check_invariants(self) -> None:
+        """Every key an open batch touches carries that batch's live mark, read or
+        written as the batch does; no key is touched by two open batches."""
+        assert len(self._by_token) == len(self._open) and all(
+            self._by_token.get(b.token) is b for b in self._open.values()), "open batches out of sync"
+        seen: dict[int, int] = {}
+        for b in self._open.values():
+            src, dst = b.arrays()
+            rk = src if self.tracking == "slot" else np.array(b.rkeys, dtype=np.int64)
+            wk = dst if self.tracking == "slot" else np.array(b.wkeys, dtype=np.int64)
+            assert not np.isin(rk, wk).any() or "S2" not in self.rules, \
+                f"open {b.direction} batch reads and writes one key"
+            for keys, wrote in ((rk, 0), (wk, 1)):
+                for k in keys.tolist():
+                    if "S2" in self.rules:
+                        assert seen.get(k, b.token) == b.token, f"key {k} touched by two open batches"
+                        assert self._mark[k] == (b.token << 1 | wrote), \
+                            f"key {k} of the open {b.direction} batch has mark {self._mark[k]}"
+                    seen[k] = b.token
 
     def in_flight_batches(self) -> int:
         return len(self._events)

@@ -3,6 +3,7 @@ the copy kernels, and the executor that runs each batch at once."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
@@ -57,8 +58,8 @@ class SyncExecutor:
     def __init__(self, copies: HostCopies):
         self.copies = copies
 
-    def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list):
-        self.copies.run(direction, src, dst, vectorized=True)
+    def submit(self, stream: str, direction: str, src, dst, deps: list):
+        self.copies.run(direction, np.asarray(src).tolist(), np.asarray(dst).tolist(), vectorized=True)
         return DONE
 
     def record_compute(self):

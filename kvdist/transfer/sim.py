@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from .executors import HostCopies
 
 
@@ -66,7 +68,8 @@ class SimExecutor:
         self._queued.append(op)
         return op
 
-    def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list) -> SimOp:
+    def submit(self, stream: str, direction: str, src, dst, deps: list) -> SimOp:
+        src, dst = np.asarray(src).tolist(), np.asarray(dst).tolist()
         if self.log is not None:
             self.log.append((direction, list(src), list(dst)))
         src, dst = src[::-1], dst[::-1]  # no order inside a batch: run it backwards
