@@ -6,5 +6,5 @@ source gpu/env.sh || exit 1
 export CUDA_MODULE_LOADING=EAGER
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv
-python3 gpu/transfer_diag.py 128KiB 3 0.4 2>&1 | grep -v "^round" | tee "$O/diag128.log"
+python3 gpu/transfer_diag.py 128KiB 4 0.4 2>&1 | grep -v "^round" | tee "$O/diag128.log"
 python3 -m kvdist bench transfer --json "$O/bench_transfer.json" 2>"$O/bench.err" | tee "$O/bench_transfer.log" || tail -20 "$O/bench.err"

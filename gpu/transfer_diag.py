@@ -1,15 +1,13 @@
 """Where does the engine lose bandwidth at small blocks? (issue 3, H200 only)
 
 For one block size, 2,048 scattered blocks each way, every variant timed in interleaved
-rounds (so host noise hits all alike), GB/s of wall time and host microseconds a call:
+rounds (so host noise hits all alike): GB/s of wall time, and host microseconds of one
+call issued to idle streams (the submission cost):
 
   raw        one cudaMemcpyBatchAsync per call on the offload/onboard stream
-  raw/N      the same split into calls of N entries
-  pingpong   raw plus the engine's GPU-side barriers (copy waits compute, compute waits copy)
+  raw both, 2 threads   the two directions' batch calls from two threads at once
   engine     a cache step: begin_step, copy_many, before_compute (what bench transfer times)
-  engine-S2  the same with S4/S5 off (no cross-stream barriers)
-  engine/N   the engine with the copier's sub_batch = N
-  engine-nohint  the engine without cudaMemcpyFlagPreferOverlapWithCompute
+  ceiling    contiguous copies of the same bytes
 
 Usage: python3 gpu/transfer_diag.py [128KiB|512KiB|2MiB] [rounds] [seconds]"""
 
@@ -18,6 +16,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -27,21 +26,20 @@ from kvdist.bench.transfer import MODEL, SIZES
 
 
 def rate(fn, nbytes: int, seconds: float) -> tuple[float, float]:
+    """(GB/s, host us of one call issued to idle streams)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
+    host_one = time.perf_counter() - t0
     torch.cuda.synchronize()
     reps = max(5, int(seconds / max(time.perf_counter() - t0, 1e-6)))
-    host = 0.0
     t0 = time.perf_counter()
     for _ in range(reps):
-        h0 = time.perf_counter()
         fn()
-        host += time.perf_counter() - h0
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return nbytes * reps / wall / 1e9, host / reps * 1e6
+    return nbytes * reps / wall / 1e9, host_one * 1e6
 
 
 def main() -> None:
@@ -64,58 +62,32 @@ def main() -> None:
     off_moves = (ga.tolist(), (G + ha).tolist())
     on_moves = ((G + hb).tolist(), gb.tolist())
     off, on = ex.streams["offload"], ex.streams["onboard"]
-    compute = torch.cuda.current_stream()
     nbytes = n * bpb
 
-    def raw(direction, sub=0):
+    def raw(direction):
         def fn():
-            cp.sub_batch = sub
             if direction == "d2h":
                 cp.copy(off, g, h, ga, ha, dst_chunk=ck)
             else:
                 cp.copy(on, h, g, hb, gb, src_chunk=ck)
         return fn
 
-    def pingpong(direction):
-        def fn():
-            cp.sub_batch = 0
-            st = off if direction == "d2h" else on
-            ce = torch.cuda.Event()
-            ce.record(compute)
-            st.wait_event(ce)
-            if direction == "d2h":
-                cp.copy(st, g, h, ga, ha, dst_chunk=ck)
-            else:
-                cp.copy(st, h, g, hb, gb, src_chunk=ck)
-            ev = torch.cuda.Event()
-            ev.record(st)
-            compute.wait_event(ev)
-        return fn
-
-    def step(direction, sub=0, rules=None, hint=True):
+    def step(direction):
         moves = off_moves if direction == "d2h" else on_moves
 
         def fn():
-            cp.sub_batch = sub
-            saved = engine.rules
-            if rules is not None:
-                engine.rules = rules
-            if not hint:
-                cp.overlap_hint = False
-                cp._batch = cp._find_batch()
             engine.begin_step()
             engine.copy_many(*moves)
             engine.before_compute()
-            engine.rules = saved
-            if not hint:
-                cp.overlap_hint = True
-                cp._batch = cp._find_batch()
         return fn
 
-    def both(kind, sub=0):
+    def both(kind):
         def fn():
-            cp.sub_batch = sub
-            if kind == "raw":
+            if kind == "threads":
+                a = pool.submit(cp.copy, off, g, h, ga, ha, dst_chunk=ck)
+                b = pool.submit(cp.copy, on, h, g, hb, gb, src_chunk=ck)
+                a.result(), b.result()
+            elif kind == "raw":
                 cp.copy(off, g, h, ga, ha, dst_chunk=ck)
                 cp.copy(on, h, g, hb, gb, src_chunk=ck)
             else:
@@ -125,30 +97,14 @@ def main() -> None:
                 engine.before_compute()
         return fn
 
-    # The first steps of a fresh engine, one at a time (synchronized): any warm-up cost.
-    for name, fn in (("engine d2h", step("d2h")), ("raw d2h", raw("d2h")), ("engine d2h", step("d2h"))):
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        print(f"first steps, {name}, ms each:", " ".join(f"{t:.2f}" for t in times), flush=True)
-
+    pool = ThreadPoolExecutor(2)
     variants = {}
     variants["raw both"] = both("raw")
     variants["engine both"] = both("engine")
-    variants["engine/256 both"] = both("engine", 256)
+    variants["raw both, 2 threads"] = both("threads")
     for d in ("d2h", "h2d"):
         variants[f"raw {d}"] = raw(d)
-        for sub in (128, 256, 512):
-            variants[f"raw/{sub} {d}"] = raw(d, sub)
-        variants[f"pingpong {d}"] = pingpong(d)
         variants[f"engine {d}"] = step(d)
-        variants[f"engine-S2 {d}"] = step(d, rules=frozenset({"S2"}))
-        for sub in (128, 256, 512):
-            variants[f"engine/{sub} {d}"] = step(d, sub)
-        variants[f"engine-nohint {d}"] = step(d, hint=False)
 
     # Contiguous ceiling, as bench transfer measures it.
     def contiguous(direction):
@@ -179,11 +135,11 @@ def main() -> None:
         print(f"round {r + 1}/{rounds} done", flush=True)
     print(f"\n{torch.cuda.get_device_name()}, {label}, {n} blocks, {rounds} rounds x {seconds} s, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'variant':22s} {'GB/s per round':36s} {'median':>7s} {'host us/call':>12s}")
+    print(f"{'variant':22s} {'GB/s per round':36s} {'median':>7s} {'host us, 1 call':>15s}")
     for k, rs in results.items():
         gbs = [x for x, _ in rs]
         host = statistics.median(y for _, y in rs)
-        print(f"{k:22s} {' '.join(f'{x:6.1f}' for x in gbs):36s} {statistics.median(gbs):7.1f} {host:12.0f}")
+        print(f"{k:22s} {' '.join(f'{x:6.1f}' for x in gbs):36s} {statistics.median(gbs):7.1f} {host:15.0f}")
     cache.synchronize()
     cache.close()
 

@@ -101,16 +101,11 @@ class BatchCopier:
     """Runs a batch of whole-block copies ``dst_rows[d] <- src_rows[s]`` on a stream.
     ``prefer`` forces a path (tests, benchmarks); otherwise the fastest available."""
 
-    def __init__(self, device: torch.device, prefer: str | None = None, *, overlap_hint: bool = True,
-                 sub_batch: int = 0):
+    def __init__(self, device: torch.device, prefer: str | None = None, *, overlap_hint: bool = True):
         assert prefer is None or prefer in PATHS, f"unknown copy path {prefer!r}"
-        assert sub_batch >= 0, f"sub_batch must be >= 0, got {sub_batch}"
         torch.cuda.init()
         self.device = device
         self.overlap_hint = overlap_hint  # cudaMemcpyFlagPreferOverlapWithCompute
-        # Entries per cudaMemcpyBatchAsync call (0: the whole batch in one): the copy
-        # engines start on the first sub-batch while the host submits the next.
-        self.sub_batch = sub_batch
         self.lib, self.lib_path = loaded_cudart()
         self.runtime_version = self._runtime_version()
         self.batch_api: str | None = None  # "ctypes" | "cuda-bindings"
@@ -218,19 +213,9 @@ class BatchCopier:
             srcs = (src_rows.data_ptr() + s0 * bpb).astype(np.uint64)
             dsts = (dst_rows.data_ptr() + d0 * bpb).astype(np.uint64)
             sizes = (length * bpb).astype(np.uint64)
-            step = self.sub_batch or len(sizes)
-            err, calls = 0, 0
-            for lo in range(0, len(sizes), step):
-                hi = min(lo + step, len(sizes))
-                err = self._batch(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], hi - lo, stream.cuda_stream)
-                if err != 0:
-                    # A failure can only be the first call (an unsupported API): the
-                    # runs path below then redoes the whole batch.
-                    assert lo == 0, f"cudaMemcpyBatchAsync failed mid-batch with CUDA error {err}"
-                    break
-                calls += 1
+            err = self._batch(dsts, srcs, sizes, len(sizes), stream.cuda_stream)
             if err == 0:
-                self._count(path, calls)
+                self._count(path, 1)
                 return path
             # Not supported here after all (e.g. an older driver): never try it again.
             log.warning("cudaMemcpyBatchAsync failed with CUDA error %d; using runs from now on", err)
