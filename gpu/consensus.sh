@@ -2,6 +2,8 @@
 # Start-up consensus on the H200: 4 ranks share cuda:0, each with a real pinned host
 # tier and a disk tier. Scenarios (one mpiexec, faults set per scenario by KVDIST_FAULTS):
 #   healthy (cold, then warm) | host_tier@1 (USE_NO_HOST everywhere) | build@2 (ABORT everywhere)
+#   | stall@<last rank> (consensus timeout 5 s: every rank raises ConsensusTimeout, the
+#   stalled one after its sleep; last, as the stalled rank never enters the collective)
 # Prints create() time per rank split into tier allocation (build) and consensus, and
 # checks that a failed start leaves no disk file behind.
 # Run from the repo root:  source gpu/env.sh && bash gpu/consensus.sh
@@ -28,6 +30,7 @@ cache:
   disk: {path: $DISK_DIR, bytes: ${DISK_GIB}GiB}
 distributed: {consensus_timeout_s: 120}
 EOF
+sed 's/consensus_timeout_s: 120/consensus_timeout_s: 5/' "$CFG" > "$CFG.stall"
 
 cat > "$DRIVER" <<'EOF'
 import os, sys, time, warnings
@@ -37,15 +40,17 @@ import kvdist
 
 world = MPI.COMM_WORLD
 cfg, disk_dir = sys.argv[1], sys.argv[2]
+last = world.size - 1
 warnings.simplefilter("ignore")
 # The first create() of a process also pays CUDA context creation and one-time set-up.
-for name, drill in [("healthy, cold process", ""), ("healthy, warm", ""),
-                    ("host fails on rank 1", "host_tier@1"), ("build fails on rank 2", "build@2")]:
+for name, drill, path in [("healthy, cold process", "", cfg), ("healthy, warm", "", cfg),
+                          ("host fails on rank 1", "host_tier@1", cfg), ("build fails on rank 2", "build@2", cfg),
+                          (f"rank {last} stalls (timeout 5 s)", f"stall@{last}", cfg + ".stall")]:
     os.environ["KVDIST_FAULTS"] = drill
     world.Barrier()
     t0 = time.perf_counter()
     try:
-        cache = kvdist.create(cfg)
+        cache = kvdist.create(path)
         wall = time.perf_counter() - t0
         t = cache.stats()["init_seconds"]
         outcome = f"{cache.init_status.name} {'+'.join(cache.tiers)}"
@@ -67,4 +72,4 @@ EOF
 
 timeout 400 "$MPIEXEC" -n "$NP" python3 "$DRIVER" "$CFG" "$DISK_DIR"
 echo "exit $?"
-rm -rf "$DISK_DIR" "$CFG" "$DRIVER"
+rm -rf "$DISK_DIR" "$CFG" "$CFG.stall" "$DRIVER"
