@@ -10,83 +10,15 @@ import torch
 import kvdist
 from kvdist.staging import CudaH2D, Stager, TableRows
 
+from .cuda_gate import SpinGate
 from .test_staging import PROTECT, T, host_view, intact
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SPIN = r"""
-extern "C" __global__ void spin_until_set(const volatile int* flag, long long max_cycles,
-                                          int* timed_out) {
-    long long start = clock64();
-    while (*flag == 0) {
-        if (clock64() - start > max_cycles) { *timed_out = 1; return; }
-    }
-}
-"""
-
-
-class SpinGate:
-    """Holds a stream until the host opens the gate. The spin gives up after about two
-    seconds (and records it), so a broken test (a host wait behind the gate) fails
-    instead of hanging. A kernel used for the first time behind a closed gate is such a
-    wait: CUDA's lazy module loading waits for the running spin, so tests run their
-    kernels once before closing it."""
-
-    MAX_CYCLES = 4_000_000_000
-
-    def __init__(self, device: torch.device):
-        from cuda.bindings import driver, nvrtc
-
-        self._driver = driver
-        major, minor = torch.cuda.get_device_capability(device)
-        err, prog = nvrtc.nvrtcCreateProgram(SPIN.encode(), b"spin.cu", 0, [], [])
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"nvrtc: {log.decode(errors='replace')}")
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        nvrtc.nvrtcDestroyProgram(prog)
-        self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)  # also makes the context current
-        image = np.frombuffer(cubin, dtype=np.uint8)
-        err, self._module = driver.cuModuleLoadData(image.ctypes.data)
-        assert err == driver.CUresult.CUDA_SUCCESS, err
-        err, self._fn = driver.cuModuleGetFunction(self._module, b"spin_until_set")
-        assert err == driver.CUresult.CUDA_SUCCESS, err
-        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: UVA pointer
-
-    def close(self, stream: torch.cuda.Stream) -> None:
-        """Everything queued on ``stream`` from now on waits for ``open``."""
-        self.flag[0] = 0
-        with torch.cuda.stream(stream):
-            self.timed_out.zero_()
-        args = [np.array([self.flag.data_ptr()], dtype=np.uint64),
-                np.array([self.MAX_CYCLES], dtype=np.int64),
-                np.array([self.timed_out.data_ptr()], dtype=np.uint64)]
-        params = np.array([a.ctypes.data for a in args], dtype=np.uint64)
-        (err,) = self._driver.cuLaunchKernel(self._fn, 1, 1, 1, 1, 1, 1, 0,
-                                             self._driver.CUstream(stream.cuda_stream),
-                                             params.ctypes.data, 0)
-        assert err == self._driver.CUresult.CUDA_SUCCESS, err
-
-    def open(self) -> None:
-        self.flag[0] = 1
-
-    def check(self) -> None:
-        torch.cuda.synchronize()
-        assert int(self.timed_out.item()) == 0, "the gate timed out: the stream was never released"
-
-
 @pytest.fixture(scope="module")
 def gate():
-    return SpinGate(torch.device("cuda"))
+    return SpinGate()
 
 
 @pytest.fixture

@@ -1,13 +1,11 @@
 """The five transfer races of ``test_transfer_scenarios.py`` on a real GPU: the GPU tier
 in CUDA memory, a pinned host tier, the CUDA executor's streams and batched copies.
 
-A "held" stream is gated deterministically: a one-thread kernel on it spins on a flag
-in pinned host memory until the test sets the flag (no sleeps, no timing). Work queued
-behind the gate waits; work that does not depend on it runs at once. So a missing
-dependency shows up as wrong bytes every time, and a present one as right bytes.
-The gate also gives up after a few seconds, a safety net that turns a test bug into
-a failure (``expired``) instead of a hang; scenario 4 uses it to show a dependency
-that should not exist."""
+A "held" stream is gated deterministically (``cuda_gate.SpinGate``: a kernel spinning
+on a host flag, no sleeps). So a missing dependency shows up as wrong bytes every time,
+and a present one as right bytes. The gate gives up after a few seconds, a safety net
+that turns a test bug into a failure (``expired``) instead of a hang; scenario 4 uses it
+to show a dependency that should not exist."""
 
 from __future__ import annotations
 
@@ -18,43 +16,10 @@ import torch
 import kvdist
 from kvdist.transfer import ALL_RULES
 
+from .cuda_gate import SpinGate
 from .test_transfer_scenarios import SCENARIOS, SimHarness, fill, tag_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-GATE_SOURCE = r"""
-extern "C" __global__ void kvdist_gate(const volatile int *flag, int *expired, long long max_cycles) {
-    long long start = clock64();
-    while (*flag == 0) {
-        if (clock64() - start > max_cycles) { *expired = 1; return; }
-    }
-}
-"""
-
-
-class StreamGate:
-    """Holds ``stream`` until ``open()``: a spin kernel on a pinned, GPU-visible flag."""
-
-    _kernel = None
-
-    def __init__(self, stream: torch.cuda.Stream, timeout_s: float = 4.0):
-        cupy = pytest.importorskip("cupy")
-        if StreamGate._kernel is None:
-            StreamGate._kernel = cupy.RawKernel(GATE_SOURCE, "kvdist_gate")
-        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self._expired = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        cycles = np.int64(timeout_s * 2.0e9)  # SM clock <= ~2 GHz: at least timeout_s
-        with cupy.cuda.ExternalStream(stream.cuda_stream):
-            StreamGate._kernel((1,), (1,), (np.uint64(self.flag.data_ptr()),
-                                            np.uint64(self._expired.data_ptr()), cycles))
-
-    def open(self) -> None:
-        self.flag[0] = 1
-
-    @property
-    def expired(self) -> bool:
-        return bool(self._expired[0])
-
 
 class CudaHarness:
     """The scenario driver of test_transfer_scenarios.py on CUDA."""
@@ -69,14 +34,14 @@ class CudaHarness:
             self.ex.copier.path = path
         self.ex.log = []
         self.reused: dict[object, int] = {}
-        self._gates: list[StreamGate] = []
+        self._gates: list[SpinGate] = []
         self.expired = 0
 
     def _stream(self, name: str) -> torch.cuda.Stream:
         return torch.cuda.current_stream() if name == "compute" else self.ex.streams[name]
 
     def hold(self, stream: str) -> None:
-        self._gates.append(StreamGate(self._stream(stream)))
+        self._gates.append(SpinGate(timeout_s=4.0).close(self._stream(stream)))
 
     def release_all(self) -> None:
         for g in self._gates:
