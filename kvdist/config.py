@@ -118,6 +118,9 @@ class DiskTierConfig(_Section):
     path: str | None = None
     io_threads: int = Field(default=4, gt=0)
     o_direct: bool = False
+    # Share of the host tier end_step keeps free by demoting its coldest blocks: an
+    # offload then lands in a slot no disk write is still reading (no host wait).
+    demote_ahead: float = Field(default=0.05, ge=0, lt=1)
 
     @field_validator("path")
     @classmethod

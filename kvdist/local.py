@@ -163,7 +163,8 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
         local.manager = CacheManager(
             layout, (gpu_n, host_n, disk_n), local.executor,
             enable_reuse=cfg.cache.enable_reuse,
-            offload_min_priority=cfg.cache.offload_min_priority)
+            offload_min_priority=cfg.cache.offload_min_priority,
+            demote_ahead=int(cfg.cache.disk.demote_ahead * host_n))
         local.stager = make_stager(device, local.executor)
         return local
     except BaseException:

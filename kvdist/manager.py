@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
-import xxhash
 
+from . import manager_checks
 from .blocks import (
     ACTIVE,
     CACHED,
@@ -80,7 +80,7 @@ class CacheManager:
 
     def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor, *,
                  enable_reuse: bool = True, offload_min_priority: int = 0,
-                 rules: frozenset[str] = ALL_RULES, tracking: str = "slot"):
+                 rules: frozenset[str] = ALL_RULES, tracking: str = "slot", demote_ahead: int = 0):
         assert capacity[GPU] > 0, "the GPU tier needs at least one block"
         self.layout = layout
         self.tpb = layout.tokens_per_block
@@ -94,6 +94,7 @@ class CacheManager:
                                      block_id=self._block_id)
         self.enable_reuse = enable_reuse
         self.offload_min_priority = offload_min_priority
+        self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
         self.salt = layout.hash_salt()
         self.seqs: dict[Hashable, Sequence] = {}
         self.host_table = TableRows()  # persistent rows; step tables are gathered from it
@@ -356,8 +357,23 @@ class CacheManager:
         for seq in self._deferred_release:
             self._free_blocks(seq)
         self._deferred_release.clear()
+        if len(self.free[HOST] or ()) < self.demote_ahead:
+            self._demote_ahead()
         self.counters.steps += 1
         self.bookkeeping_seconds += time.perf_counter() - t0
+
+    def _demote_ahead(self) -> None:
+        """Demote the coldest host blocks until ``demote_ahead`` host slots are free, and
+        start the writes now: they run during the next forward pass, so the next
+        step's offloads land in slots no disk write is still reading."""
+        free, lru = self.free[HOST], self.lru[HOST]
+        while len(free) < self.demote_ahead:
+            victim = lru.pop_victim()
+            if victim == NO_SLOT:
+                break
+            self._evict(victim)
+        self._submit_moves()
+        self.engine.flush()
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = len(seq.tokens) // self.tpb
@@ -435,64 +451,11 @@ class CacheManager:
         return self.meta.nbytes + self.index.nbytes + stacks + self.engine.nbytes
 
     def state_digest(self) -> bytes:
-        """xxh3-128 of the state that decides this cache's future behaviour: capacities,
-        each slot's state, refcount and (when live) priority and hash, the eviction-list
-        links, the free stacks, the prefix index and the sequences. Ranks fed the same
-        request stream have equal digests (``KVCache.check_consistency``). O(slots)."""
-        meta = self.meta
-        live = meta.state != FREE
-        # Dead slots keep stale hashes/priorities/links; only what is live is compared.
-        listed = (meta.state == CACHED) & (meta.refcnt == 0)
-        h = xxhash.xxh3_128()
-        h.update(np.asarray(self.space.capacity, dtype=np.int64))
-        for a in (meta.state, meta.refcnt, np.where(live, meta.prio, 0),
-                  np.where(live, meta.hash_hi, 0), np.where(live, meta.hash_lo, 0),
-                  np.where(listed, meta.prev, NO_SLOT), np.where(listed, meta.next, NO_SLOT),
-                  np.sort(self.index.slots())):
-            h.update(np.ascontiguousarray(a))
-        for stack in self.free:
-            if stack is not None:
-                h.update(stack.snapshot())
-        pending = [s.seq_id for s in self._deferred_release]
-        h.update(repr((len(self.seqs), list(self._dirty), pending)).encode())
-        for seq in self.seqs.values():
-            h.update(repr(seq.seq_id).encode())
-            h.update(np.array([len(seq.tokens), seq.priority, seq.num_hashed], dtype=np.int64))
-            h.update(np.asarray(seq.slots, dtype=np.int32))
-            h.update(np.asarray(seq.tokens, dtype=np.int32))
-        return h.digest()
+        """xxh3-128 of the state that decides this cache's future behaviour (see
+        :func:`~kvdist.manager_checks.state_digest`)."""
+        return manager_checks.state_digest(self)
 
     def check_invariants(self) -> None:
-        """Verify the structural invariants of the module docstring (O(total slots))."""
-        meta, space = self.meta, self.space
-        state, ref = meta.state, meta.refcnt
-        assert not self._moves[0], f"{len(self._moves[0])} moves never reached the transfer engine"
-        expected_ref = np.zeros(space.total, dtype=np.int64)
-        for seq in list(self.seqs.values()) + self._deferred_release:
-            assert len(seq.slots) == -(-len(seq.tokens) // self.tpb), f"{seq.seq_id}: slots/tokens"
-            np.add.at(expected_ref, np.asarray(seq.slots, dtype=np.int64), 1)
-        assert np.array_equal(expected_ref, ref), "refcounts differ from sequence references"
-        assert (ref[space.base[HOST]:] == 0).all(), "a host/disk slot is referenced"
-        assert not (state[space.base[HOST]:] == ACTIVE).any(), "an ACTIVE slot outside the GPU tier"
-        assert ((state != FREE) | (ref == 0)).all(), "a FREE slot is referenced"
-        assert ((state != ACTIVE) | (ref > 0)).all(), "an ACTIVE slot is unreferenced"
-        for t in (GPU, HOST, DISK):
-            lo, hi = space.base[t], space.base[t] + space.capacity[t]
-            if not space.capacity[t]:
-                continue
-            free = self.free[t].snapshot()
-            assert len(np.unique(free)) == len(free), f"{TIER_NAMES[t]}: a slot is free twice"
-            assert ((free >= lo) & (free < hi)).all(), f"{TIER_NAMES[t]}: foreign slot on free stack"
-            assert (state[free] == FREE).all(), f"{TIER_NAMES[t]}: non-FREE slot on free stack"
-            assert (state[lo:hi] == FREE).sum() == len(free), f"{TIER_NAMES[t]}: FREE slot not on stack"
-            self.lru[t].check_invariants()
-            in_lru = np.fromiter(iter(self.lru[t]), dtype=np.int64)
-            assert ((in_lru >= lo) & (in_lru < hi)).all(), f"{TIER_NAMES[t]}: foreign slot in lru"
-            assert (state[in_lru] == CACHED).all() and (ref[in_lru] == 0).all(), \
-                f"{TIER_NAMES[t]}: eviction list holds a referenced or uncached slot"
-            unref_cached = ((state[lo:hi] == CACHED) & (ref[lo:hi] == 0)).sum()
-            assert unref_cached == len(in_lru), f"{TIER_NAMES[t]}: cached slot missing from lru"
-        self.index.check_invariants()
-        indexed = np.sort(self.index.slots())
-        assert np.array_equal(indexed, np.flatnonzero(state == CACHED)), "index != CACHED slots"
-
+        """Verify the invariants of the module docstring and the transfer engine's (O(total slots))."""
+        manager_checks.check_invariants(self)
+        self.engine.check_invariants()

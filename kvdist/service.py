@@ -93,6 +93,7 @@ class KVCache:
         usage = m.usage()
         moved = c.blocks_moved
         engine = m.engine
+        waits = getattr(engine.executor, "counters", None)
         return {
             "tiers": list(self.tiers),
             "init_status": self.init_status.name,
@@ -112,6 +113,10 @@ class KVCache:
             "bookkeeping_seconds": m.bookkeeping_seconds,
             "transfer_path": getattr(engine.executor, "path", "unknown"),
             "transfer_batches": engine.stats.batches,
+            # The host blocked on unfinished disk work (a fetch's read, or an offload into
+            # a host slot a demotion is still reading): CUDA executor only.
+            "host_waits_on_disk": getattr(waits, "host_waits", 0),
+            "host_wait_seconds": getattr(waits, "host_wait_seconds", 0.0),
             "staging": self.stager.stats(),
             "sequences": len(m.seqs),
             "steps": c.steps,

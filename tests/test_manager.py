@@ -212,3 +212,29 @@ def test_block_table_padding_and_pool_shape(make):
     assert tuple(cache.kv_pool(1).shape) == (8, 2, 4, 2, 8)
     with pytest.raises(IndexError):
         cache.kv_pool(2)
+
+
+def test_demote_ahead_keeps_host_slots_free_exact(cfg_factory, tmp_path):
+    """With ``disk.demote_ahead: 0.5`` of a 4-block host tier, end_step demotes the
+    coldest host blocks until 2 host slots are free; the demoted blocks stay reusable."""
+    cfg = cfg_factory(gpu=3, host=4, disk=4)
+    cfg["cache"]["disk"]["demote_ahead"] = 0.5
+    cache = kvdist.create(cfg)
+    try:
+        d, m = Checked(cache), cache.manager
+        assert m.space.base == (0, 3, 7) and m.demote_ahead == 2
+        d.step("s0", T(0))
+        d.step("s1", T(100))
+        assert list(m.lru[1]) == [3] and m.free[1].snapshot().tolist() == [4, 5, 6]
+        d.step("s2", T(200))  # offloads fill host slots 4, 5: three used, so 3 goes to disk
+        assert list(m.lru[1]) == [4, 5] and list(m.lru[2]) == [7]
+        assert m.free[1].snapshot().tolist() == [3, 6]
+        d.step("s3", T(300))  # two more offloads (6, 3): the two coldest (4, 5) go to disk
+        assert list(m.lru[1]) == [3, 6] and list(m.lru[2]) == [7, 8, 9]
+        assert cache.stats()["blocks_moved"] == {"offload": 5, "onboard": 0, "demote": 3, "spill": 0,
+                                                 "fetch": 0}
+        assert d.step("again", T(0) + [99]) == 8  # s0's blocks, demoted ahead, come back from disk
+        assert cache.stats()["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 8}
+        assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
+    finally:
+        cache.close()

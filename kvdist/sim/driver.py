@@ -297,6 +297,7 @@ class Simulation:
         s = self.cache.stats()
         keys = ("hit_tokens", "prompt_tokens", "bytes_offloaded", "bytes_onboarded", "bytes_demoted",
                 "blocks_moved", "evictions_by_tier", "transfer_seconds", "bookkeeping_seconds",
+                "host_wait_seconds", "host_waits_on_disk",
                 "transfer_path", "capacity_blocks", "block_bytes")
         led, c = self.ledger, self.checks
         mine = {"stats": {k: s[k] for k in keys},
@@ -381,6 +382,9 @@ class Simulation:
             "transfer_gb_per_s": moved / seconds_moving / 1e9 if seconds_moving else 0.0,
             "bookkeeping_us_per_step": 1e6 * sum(e["stats"]["bookkeeping_seconds"] for e in everyone)
             / world / steps,
+            "host_wait_us_per_step": 1e6 * sum(e["stats"]["host_wait_seconds"] for e in everyone)
+            / world / steps,
+            "host_waits_on_disk": sum(e["stats"]["host_waits_on_disk"] for e in everyone),
             "cache_api_us_per_step": 1e6 * sum(e["clock"][0] for e in everyone) / world / steps,
             "model_ms_per_step": 1e3 * sum(e["clock"][1] for e in everyone) / world / steps,
             "integrity_mismatches": mismatches,

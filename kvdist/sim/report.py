@@ -70,7 +70,8 @@ def render(r: dict) -> str:
                f"demoted {human_bytes(r['bytes_demoted'])} (all ranks); copies at "
                f"{r['transfer_gb_per_s']:.2f} GB/s per rank ({r['transfer_path']})")
     out.append(f"per step: cache bookkeeping {r['bookkeeping_us_per_step']:.0f} µs, all cache calls "
-               f"{r['cache_api_us_per_step']:.0f} µs, model {r['model_ms_per_step']:.1f} ms")
+               f"{r['cache_api_us_per_step']:.0f} µs (of which waiting for disk work "
+               f"{r.get('host_wait_us_per_step', 0.0):.0f} µs), model {r['model_ms_per_step']:.1f} ms")
     i = r["integrity"]
     verdict = "OK" if r["integrity_mismatches"] == 0 else "MISMATCH"
     out.append("")
