@@ -14,11 +14,13 @@ Rules enforced here (DESIGN §4):
 * S5 — ``before_compute`` submits everything and makes compute wait for it.
 
 The engine never touches memory: an executor does the copies and owns the streams
-and events. Per-slot state is two int32 arrays indexed by tracking key (8 bytes a
-slot): the id of the last batch that wrote the slot and of the last that read it.
-Events live only for batches in flight (a dict id -> event), so a stale id simply
-matches nothing, and the Python work per step is a few numpy operations per batch
-plus a small constant per copy, independent of how many blocks exist.
+and events. Per-slot state is three int32 arrays indexed by tracking key (12 bytes a
+slot): the id of the last batch that wrote the slot and of the last that read it, and
+the mark of the open (not yet submitted) batch touching it, which finds conflicts
+with open batches without Python sets. Events live only for batches in flight (a dict
+id -> event), so a stale id simply matches nothing, and the Python work per step is a
+few numpy operations per batch (``copy_many``) plus a small constant per single
+``copy``, independent of how many blocks exist.
 
 One read entry per slot is exact because a batch that reads a slot with a pending
 read from another batch is made to wait for that batch too (reads rarely repeat
@@ -297,8 +299,8 @@ class TransferEngine:
 
     @property
     def nbytes(self) -> int:
-        """Per-slot tracking memory (8 bytes a slot), for metadata accounting."""
-        return self._last_write.nbytes + self._last_read.nbytes
+        """Per-slot tracking memory (12 bytes a slot), for metadata accounting."""
+        return self._last_write.nbytes + self._last_read.nbytes + self._mark.nbytes
 
     def check_invariants(self) -> None:
         """Every key an open batch touches carries that batch's live mark, read or
