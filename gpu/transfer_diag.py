@@ -22,24 +22,7 @@ import numpy as np
 import torch
 
 import kvdist
-from kvdist.bench.transfer import MODEL, SIZES
-
-
-def rate(fn, nbytes: int, seconds: float) -> tuple[float, float]:
-    """(GB/s, host us of one call issued to idle streams)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    host_one = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    reps = max(5, int(seconds / max(time.perf_counter() - t0, 1e-6)))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    return nbytes * reps / wall / 1e9, host_one * 1e6
+from kvdist.bench.transfer import MODEL, SIZES, Timer
 
 
 def main() -> None:
@@ -128,10 +111,12 @@ def main() -> None:
     if not ck or ck >= 2 * n:
         variants["ceiling both"] = ceiling_both
 
+    timer = Timer(seconds)
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for r in range(rounds):
         for k, fn in variants.items():
-            results[k].append(rate(fn, 2 * nbytes if "both" in k else nbytes, seconds))
+            gbs, host_s = timer.rate(fn, 2 * nbytes if "both" in k else nbytes)
+            results[k].append((gbs, host_s * 1e6))
         print(f"round {r + 1}/{rounds} done", flush=True)
     print(f"\n{torch.cuda.get_device_name()}, {label}, {n} blocks, {rounds} rounds x {seconds} s, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")

@@ -44,7 +44,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class _Timer:
+class Timer:
     """Repeats ``fn`` for about ``seconds`` after a warm-up; GB/s of ``nbytes`` a call.
     The host runs ahead of the GPU, so this is the device-side rate whenever the host
     side of one call is shorter than its transfer."""
@@ -95,7 +95,7 @@ def _matmul_time(a: torch.Tensor, iters: int) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def _one_size(label: str, bpb: int, n: int, timer: _Timer, path: str | None, rounds: int) -> dict:
+def _one_size(label: str, bpb: int, n: int, timer: Timer, path: str | None, rounds: int) -> dict:
     import kvdist
 
     tpb = bpb // (2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * MODEL["head_dim"] * 2)
@@ -195,7 +195,7 @@ def _one_size(label: str, bpb: int, n: int, timer: _Timer, path: str | None, rou
         cache.close()
 
 
-def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: _Timer,
+def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: Timer,
                       chunk: int) -> tuple[float, float]:
     """(compute slowdown %, GB/s moved meanwhile): a bf16 matmul loop on the compute
     stream alone, then while both copy streams move blocks back and forth."""
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"bench transfer: unknown block size(s) {unknown}; use {', '.join(SIZES)}")
         return 2
-    timer = _Timer(args.seconds)
+    timer = Timer(args.seconds)
     rows = []
     for label in tqdm(sizes, desc="block sizes", unit="size"):
         rows.append(_one_size(label, SIZES[label], args.blocks, timer, args.path, args.rounds))
