@@ -11,7 +11,7 @@ CONFIG   ?= configs/default.yaml
 export MPIEXEC_TIMEOUT ?= 600
 export PYTHONUNBUFFERED := 1
 
-.PHONY: run test lint unit mpi venv clean bench
+.PHONY: run test lint unit mpi venv clean
 
 venv: $(STAMP)
 

@@ -59,7 +59,6 @@ class Sequence:
     num_hashed: int  # leading full blocks whose hashes are written into their slots' meta
     parent: bytes  # digest of block num_hashed - 1 (the salt when 0)
     num_indexed: int = 0  # leading full blocks registered (indexed, or found duplicate)
-    released: bool = False
 
 
 @dataclass(slots=True)
@@ -70,7 +69,6 @@ class CacheCounters:
         "offload": 0, "onboard": 0, "demote": 0, "spill": 0, "fetch": 0})
     evictions: list[int] = field(default_factory=lambda: [0, 0, 0])
     dropped: int = 0
-    sequences_added: int = 0
     steps: int = 0
 
 
@@ -200,14 +198,19 @@ class CacheManager:
         self.free[tier].push(slot)
         self.counters.dropped += 1
 
+    def _make_free(self, tier: int, n: int) -> None:
+        """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
+        nothing is left to evict), and hand the moves to the engine."""
+        free, lru = self.free[tier], self.lru[tier]
+        while len(free) < n and (victim := lru.pop_victim()) != NO_SLOT:
+            self._evict(victim)
+        self._submit_moves()
+
     def _alloc_gpu(self, n: int, priority: int) -> list[int]:
         """``n`` fresh GPU slots in state ACTIVE, refcount 1. The caller checked that
         free + evictable >= n."""
-        free = self.free[GPU]
-        for _ in range(n - len(free)):
-            self._evict(self.lru[GPU].pop_victim())
-        self._submit_moves()
-        slots = free.pop_many(n)
+        self._make_free(GPU, n)
+        slots = self.free[GPU].pop_many(n)
         meta = self.meta
         for s in slots:
             meta.state_mv[s] = ACTIVE
@@ -304,16 +307,13 @@ class CacheManager:
         self.seqs[seq_id] = seq
         self._dirty[seq_id] = seq
         self.counters.prompt_tokens += n
-        self.counters.sequences_added += 1
         self.bookkeeping_seconds += time.perf_counter() - t0
         return len(hits) * tpb
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Grow a sequence by decoded tokens (their K/V is written in this step)."""
         t0 = time.perf_counter()
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise KeyError(f"unknown sequence {seq_id!r}")
+        seq = self._get(seq_id)
         old = len(seq.tokens)
         try:
             seq.tokens.extend(tokens)
@@ -358,22 +358,12 @@ class CacheManager:
             self._free_blocks(seq)
         self._deferred_release.clear()
         if len(self.free[HOST] or ()) < self.demote_ahead:
-            self._demote_ahead()
+            # Writes start now and run during the next forward pass, so the next
+            # step's offloads land in host slots no disk write is still reading.
+            self._make_free(HOST, self.demote_ahead)
+            self.engine.flush()
         self.counters.steps += 1
         self.bookkeeping_seconds += time.perf_counter() - t0
-
-    def _demote_ahead(self) -> None:
-        """Demote the coldest host blocks until ``demote_ahead`` host slots are free, and
-        start the writes now: they run during the next forward pass, so the next
-        step's offloads land in slots no disk write is still reading."""
-        free, lru = self.free[HOST], self.lru[HOST]
-        while len(free) < self.demote_ahead:
-            victim = lru.pop_victim()
-            if victim == NO_SLOT:
-                break
-            self._evict(victim)
-        self._submit_moves()
-        self.engine.flush()
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = len(seq.tokens) // self.tpb
@@ -399,7 +389,6 @@ class CacheManager:
         freed. If it got tokens in the current step, this happens at ``end_step``."""
         seq = self._get(seq_id)
         del self.seqs[seq_id]
-        seq.released = True
         if self._dirty.pop(seq_id, None) is not None:
             # Filled in this step: registered, then freed, at end_step. Out of _dirty, so
             # the same id can be added again in this step.

@@ -34,14 +34,6 @@ def token_bytes(tokens) -> memoryview:
         raise ValueError("token ids must fit in int32") from None
 
 
-def block_hash(parent: bytes, tok: memoryview, block: int, tokens_per_block: int) -> int:
-    """Hash (a 128-bit int) of block ``block`` of a token stream whose previous block
-    has digest ``parent``."""
-    stride = 4 * tokens_per_block
-    off = block * stride
-    return _hash128(parent + tok[off : off + stride])
-
-
 def chain_hashes(parent: bytes, tok: memoryview, first_block: int, n_blocks: int,
                  tokens_per_block: int) -> list[int]:
     """Hashes (128-bit ints) of blocks ``first_block .. first_block+n_blocks-1`` of a

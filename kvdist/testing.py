@@ -17,11 +17,11 @@ import torch
 _MOD = (1 << 61) - 1
 
 
-def prefix_fingerprints(tokens: Sequence[int], start: int = 0, state: int = 0) -> list[int]:
-    """Rolling hash after each token (``state`` is the value before ``tokens[start]``)."""
+def prefix_fingerprints(tokens: Sequence[int], state: int = 0) -> list[int]:
+    """Rolling hash after each token (``state`` is the value before ``tokens[0]``)."""
     out = []
     h = state
-    for t in tokens[start:]:
+    for t in tokens:
         h = (h * 1000003 + int(t) + 1) % _MOD
         out.append(h)
     return out
@@ -58,7 +58,6 @@ class IntegrityDriver:
         self._touched: list[Hashable] = []
         self.mismatched_tokens = 0
         self.checked_tokens = 0
-        self.reused_tokens = 0
         self.first_mismatch: str | None = None
         # The per-element offsets of the pattern, [layer, kv, head, dim].
         L, H, D = self.layers, self.heads, self.dim
@@ -84,7 +83,6 @@ class IntegrityDriver:
         tr.check_upto = reused
         self.seqs[seq_id] = tr
         self._touched.append(seq_id)
-        self.reused_tokens += reused
         return reused
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
@@ -94,7 +92,7 @@ class IntegrityDriver:
         tr.write_from = len(tr.tokens)
         tr.check_upto = 0
         tr.tokens.extend(tokens)
-        tr.fingerprints.extend(prefix_fingerprints(tokens, 0, state))
+        tr.fingerprints.extend(prefix_fingerprints(tokens, state))
         self._touched.append(seq_id)
 
     def compute(self) -> torch.Tensor:

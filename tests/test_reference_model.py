@@ -32,7 +32,7 @@ from kvdist.layout import KVLayout
 from kvdist.manager import CacheManager
 from kvdist.prefix import PrefixIndex, split
 from kvdist.testing import IntegrityDriver
-from kvdist.transfer.executors import DONE
+from kvdist.transfer.executors import NullExecutor
 
 # -- FreeStack ----------------------------------------------------------------------------------
 
@@ -177,28 +177,6 @@ def test_prefix_index_against_dict_with_collisions(seed):
 
 
 # -- the whole cache ----------------------------------------------------------------------------
-
-
-class NullExecutor:
-    """No memory behind the slots: the bookkeeping alone (the engine still runs)."""
-
-    path = "none"
-
-    def submit(self, stream, direction, src, dst, deps):
-        return DONE
-
-    def record_compute(self):
-        return None
-
-    def compute_wait(self, events):
-        pass
-
-    def synchronize(self):
-        pass
-
-    @staticmethod
-    def is_done(event):
-        return True
 
 
 @dataclass

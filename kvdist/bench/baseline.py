@@ -40,11 +40,9 @@ class _Seq:
 class BaselineBlockManager:
     """Block bookkeeping of one GPU tier of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, salt: bytes = bytes(16),
-                 enable_reuse: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes = bytes(16)):
         self.block_size = block_size
         self.salt = salt
-        self.enable_reuse = enable_reuse
         self.free: deque[int] = deque(range(num_blocks))
         self.refcount = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -73,16 +71,15 @@ class BaselineBlockManager:
         bs = self.block_size
         blocks: list[int] = []
         parent = self.salt
-        if self.enable_reuse:
-            data = array("i", tokens).tobytes()
-            stride = 4 * bs
-            for i in range((len(tokens) - 1) // bs):
-                h = _hash128(parent + data[i * stride : (i + 1) * stride])
-                b = self.cached.get(h)
-                if b is None:
-                    break
-                blocks.append(b)
-                parent = h.to_bytes(16, "little")
+        data = array("i", tokens).tobytes()
+        stride = 4 * bs
+        for i in range((len(tokens) - 1) // bs):
+            h = _hash128(parent + data[i * stride : (i + 1) * stride])
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            parent = h.to_bytes(16, "little")
         revive = [b for b in blocks if self.refcount[b] == 0]
         need = -(-len(tokens) // bs) - len(blocks)
         if need > len(self.free) - len(revive):
@@ -118,9 +115,8 @@ class BaselineBlockManager:
 
     def end_step(self) -> None:
         """Blocks filled in this step become reusable; deferred releases run."""
-        if self.enable_reuse:
-            for seq in chain(self._dirty.values(), self._deferred_release):
-                self._register(seq)
+        for seq in chain(self._dirty.values(), self._deferred_release):
+            self._register(seq)
         self._dirty.clear()
         for seq in self._deferred_release:
             self._free(seq)
@@ -160,6 +156,3 @@ class BaselineBlockManager:
                     self.free.appendleft(b)
                 else:
                     self.free.append(b)
-
-    def num_free(self) -> int:
-        return len(self.free)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..layout import KVLayout
 from ..manager import CacheManager
-from ..transfer.executors import DONE, SyncExecutor
+from ..transfer.executors import NullExecutor
 from .baseline import BaselineBlockManager
 
 VOCAB = 32_000
@@ -72,18 +72,6 @@ def make_trace(requests: int, *, batch: int = 16, decode_steps: int = 48, block_
             block_ops += 2 * -(-(len(p) + decode_steps) // block_size)
         batches.append(Batch(prompts, decode))
     return Trace(batches, requests, prompt_tokens, block_ops, len(batches) * (decode_steps + 1))
-
-
-class NoCopies(SyncExecutor):
-    """An executor that copies nothing: every event is complete at once."""
-
-    path = "none"
-
-    def __init__(self) -> None:
-        pass
-
-    def submit(self, stream: str, direction: str, src: list[int], dst: list[int], deps: list):
-        return DONE
 
 
 def _noop() -> None:
@@ -143,7 +131,7 @@ def replay(trace: Trace, m, begin_step=_noop, before_compute=_noop) -> tuple[np.
 
 def run_kvdist(trace: Trace, gpu_blocks: int, host_blocks: int, block_size: int) -> Run:
     layout = KVLayout(1, 1, 1, "float16", block_size)
-    m = CacheManager(layout, (gpu_blocks, host_blocks, 0), NoCopies())
+    m = CacheManager(layout, (gpu_blocks, host_blocks, 0), NullExecutor())
     gc.collect()
     p, d = replay(trace, m, m.begin_step, m.before_compute)
     name = "kvdist gpu" if not host_blocks else f"kvdist gpu + host ({host_blocks:,})"

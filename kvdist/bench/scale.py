@@ -36,6 +36,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from ..blocks import GPU, HOST
+from ..layout import KVLayout
 from ..service import KVCache, create
 
 LARGE = (65_536, 1_048_576)
@@ -48,7 +49,7 @@ STEP_TOKENS = 64
 
 
 def config(gpu_blocks: int, host_blocks: int) -> dict:
-    bpb = 2 * TOKENS_PER_BLOCK * MODEL["head_dim"] * 2  # K and V, fp16
+    bpb = KVLayout(**MODEL, tokens_per_block=TOKENS_PER_BLOCK).bytes_per_block
     return {"model": dict(MODEL),
             "cache": {"tokens_per_block": TOKENS_PER_BLOCK, "device": "cpu",
                       "gpu": {"blocks": gpu_blocks}, "host": {"bytes": host_blocks * bpb}}}

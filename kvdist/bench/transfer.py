@@ -187,16 +187,16 @@ def _one_size(label: str, bpb: int, n: int, timer: Timer, path: str | None, roun
             host_s = res["host " + api + "offload"] + res["host " + api + "onboard"]
             res[api + "us/block"] = host_s / 2 / n * 1e6
         res["path"] = ex.stats()["batches_by_path"]
-        res["slowdown"] = _compute_slowdown(ex, g, h, gpu_a, h_perm[:n], h_perm[n:], gpu_b, timer,
-                                            cache._local.host.chunk_blocks)
+        res["copier"] = ex.copier.describe()  # the path as measured (after --path or a fallback)
+        res["slowdown"] = _compute_slowdown(ex, g, h, ga, ha, hb, gb, timer, ck)
         cache.synchronize()
         return res
     finally:
         cache.close()
 
 
-def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: Timer,
-                      chunk: int) -> tuple[float, float]:
+def _compute_slowdown(ex, g, h, ga: np.ndarray, ha: np.ndarray, hb: np.ndarray, gb: np.ndarray,
+                      timer: Timer, chunk: int) -> tuple[float, float]:
     """(compute slowdown %, GB/s moved meanwhile): a bf16 matmul loop on the compute
     stream alone, then while both copy streams move blocks back and forth."""
     a = torch.randn(4096, 4096, device=g.device, dtype=torch.bfloat16)
@@ -205,8 +205,6 @@ def _compute_slowdown(ex, g, h, gpu_a, host_a, host_b, gpu_b, timer: Timer,
     while _matmul_time(a, iters) < timer.seconds:
         iters *= 2
     alone = min(_matmul_time(a, iters) for _ in range(3))
-    ga, ha = np.asarray(gpu_a), np.asarray(host_a)
-    hb, gb = np.asarray(host_b), np.asarray(gpu_b)
     off, on = ex.streams["offload"], ex.streams["onboard"]
     # Queue enough copies to outlast the compute loop (the copy streams never wait for it).
     t0 = time.perf_counter()
@@ -244,9 +242,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for label in tqdm(sizes, desc="block sizes", unit="size"):
         rows.append(_one_size(label, SIZES[label], args.blocks, timer, args.path, args.rounds))
-    from ..transfer.batchcopy import BatchCopier
-
-    path = BatchCopier(torch.device("cuda")).describe()
+    path = rows[0]["copier"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.blocks} scattered blocks "
           f"per direction, {time.strftime('%Y-%m-%d')}; copy path: {path}")
     table = []

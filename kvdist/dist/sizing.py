@@ -39,12 +39,6 @@ def min_capacity(rows: np.ndarray) -> Capacity | None:
     return tuple(int(n) for n in agreed)  # type: ignore[return-value]
 
 
-def agree_capacity(comm, planned: Capacity | None) -> Capacity | None:
-    """MIN-allreduce of every rank's planned ``(gpu, host, disk)`` blocks (collective,
-    bounded by the communicator's timeout)."""
-    return min_capacity(np.asarray(comm.allreduce_min(encode(planned), "tier capacities")))
-
-
 def describe(per_rank: Sequence[Capacity | None], agreed: Capacity) -> str:
     """Which ranks planned more than the agreed capacity, for logs."""
     out = []

@@ -75,13 +75,17 @@ class TinyModel:
                           ).to(torch.float32).to(device)
 
     # -- pieces ---------------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` by the positions ``pos [T]`` (half-split pairs)."""
+    def _rotation(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D/2]`` of the positions ``pos [T]``, once per forward pass."""
+        ang = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+    def _rope(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x [T, H, D]`` by ``rot`` (``_rotation``; half-split pairs)."""
         half = self.D // 2
         if half == 0:
             return x
-        ang = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        cos, sin = rot
         a, b = x[..., :half], x[..., half: 2 * half]
         out = x.clone()
         out[..., :half] = a * cos - b * sin
@@ -116,10 +120,11 @@ class TinyModel:
         plan = self._decode_plan(table, segs, decodes, starts)
         written = torch.empty((len(tok), self.L, 2, self.H, self.D), dtype=self.kv_dtype, device=dev)
         x = self.embed[tok]
+        rot = self._rotation(pos)
         for layer in range(self.L):
             h = _rms_norm(x)
             qkv = (h @ self.wqkv[layer]).view(-1, 3, self.H, self.D)
-            q, k = self._rope(qkv[:, 0], pos), self._rope(qkv[:, 1], pos)
+            q, k = self._rope(qkv[:, 0], rot), self._rope(qkv[:, 1], rot)
             kv = torch.stack([k, qkv[:, 2]], dim=1).to(self.kv_dtype)
             pool = cache.kv_pool(layer)
             pool[blk, :, off] = kv
@@ -174,10 +179,11 @@ class TinyModel:
         tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(dev)
         pos = torch.arange(len(tok), device=dev)
         x = self.embed[tok]
+        rot = self._rotation(pos)
         for layer in range(self.L):
             h = _rms_norm(x)
             qkv = (h @ self.wqkv[layer]).view(-1, 3, self.H, self.D)
-            q, k = self._rope(qkv[:, 0], pos), self._rope(qkv[:, 1], pos)
+            q, k = self._rope(qkv[:, 0], rot), self._rope(qkv[:, 1], rot)
             # Round K/V through the cache dtype exactly as the cached path stores them.
             k = k.to(self.kv_dtype).to(torch.float32)
             v = qkv[:, 2].to(self.kv_dtype).to(torch.float32)

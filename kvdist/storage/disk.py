@@ -288,11 +288,7 @@ class DiskPool:
         """Run ``fn`` on the disk worker threads (batch calls made from there run inline)."""
         return self._pool.submit(fn, *args, **kwargs)
 
-    # -- single blocks (existing callers) ------------------------------------------------------
-    def write(self, slot: int, buf) -> None:
-        """Write one block (a bytes-like of ``block_bytes``) into ``slot``."""
-        self._inline(True, [slot], [buf])
-
+    # -- a single block (tests) ---------------------------------------------------------------
     def read(self, slot: int, buf) -> None:
         """Read the block in ``slot`` into a writable bytes-like of ``block_bytes``."""
         self._inline(False, [slot], [buf])

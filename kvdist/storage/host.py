@@ -275,7 +275,6 @@ class HostPool:
                                  limits=limits, check_memlock=check_memlock, huge_pages=huge_pages,
                                  progress=progress)
         self.raw = self.memory.flat.view(num_blocks, bpb)
-        self.pinned = self.memory.pinned
         self.chunk_blocks = self.memory.chunks[0][1] // bpb
         if self.memory.registrar is not None:
             log.info("host tier: %s pinned in %.2f s (%d chunks via %s, longest call %.3f s)",
@@ -285,6 +284,10 @@ class HostPool:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.bytes_per_block
+
+    @property
+    def pinned(self) -> bool:
+        return self.memory.pinned
 
     def check_invariants(self) -> None:
         self.memory.check_invariants()

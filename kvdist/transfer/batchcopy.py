@@ -101,11 +101,10 @@ class BatchCopier:
     """Runs a batch of whole-block copies ``dst_rows[d] <- src_rows[s]`` on a stream.
     ``prefer`` forces a path (tests, benchmarks); otherwise the fastest available."""
 
-    def __init__(self, device: torch.device, prefer: str | None = None, *, overlap_hint: bool = True):
+    def __init__(self, device: torch.device, prefer: str | None = None):
         assert prefer is None or prefer in PATHS, f"unknown copy path {prefer!r}"
         torch.cuda.init()
         self.device = device
-        self.overlap_hint = overlap_hint  # cudaMemcpyFlagPreferOverlapWithCompute
         self.lib, self.lib_path = loaded_cudart()
         self.runtime_version = self._runtime_version()
         self.batch_api: str | None = None  # "ctypes" | "cuda-bindings"
@@ -132,7 +131,7 @@ class BatchCopier:
     def _find_batch(self):
         attrs = _MemcpyAttributes()
         attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
-        attrs.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE if self.overlap_hint else 0
+        attrs.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
         idx = (ctypes.c_size_t * 1)(0)
         fn = getattr(self.lib, "cudaMemcpyBatchAsync", None) if self.lib is not None else None
         if fn is not None and self.runtime_version >= 12080:
@@ -165,7 +164,7 @@ class BatchCopier:
             return None
         attr = rt.cudaMemcpyAttributes()
         attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-        attr.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE if self.overlap_hint else 0
+        attr.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
 
         def call(dsts, srcs, sizes, n, stream):
             # 12.9 returns (err, failIdx), 13.x returns (err,).
@@ -191,12 +190,12 @@ class BatchCopier:
 
     # -- copying -----------------------------------------------------------------------------
     def copy(self, stream: torch.cuda.Stream, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-             src: np.ndarray, dst: np.ndarray, path: str | None = None, *, src_chunk: int = 0,
+             src: np.ndarray, dst: np.ndarray, *, src_chunk: int = 0,
              dst_chunk: int = 0) -> str:
         """Queue ``dst_rows[dst[i]] <- src_rows[src[i]]`` on ``stream`` (rows are whole
         blocks of one 2-D uint8 tensor each); returns the path taken. ``*_chunk``: rows
         per CUDA registration of that side (0: one allocation), see ``coalesce``."""
-        path = path or self.path
+        path = self.path
         n = len(src)
         if n == 0:
             return path

@@ -70,7 +70,7 @@ class CudaExecutor:
                                             initializer=torch.cuda.set_device, initargs=(index,))
                          if disk is not None else None)
         # Host blocks per CUDA registration: a merged copy must not cross one (see coalesce).
-        self._host_chunk = int(getattr(host, "chunk_blocks", 0) or 0) if host is not None else 0
+        self._host_chunk = host.chunk_blocks if host is not None else 0
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (keep bounces alive)
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
@@ -191,19 +191,11 @@ class CudaExecutor:
 
     def _write_task(self, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
         self._worker_wait(deps)
-        if hasattr(self.disk, "write_blocks"):
-            self.disk.write_blocks(slots, rows)
-        else:
-            for slot, row in zip(slots, rows):
-                self.disk.write(slot, row.numpy())
+        self.disk.write_blocks(slots, rows)
 
     def _read_task(self, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
         self._worker_wait(deps)
-        if hasattr(self.disk, "read_blocks"):
-            self.disk.read_blocks(slots, rows)
-        else:
-            for slot, row in zip(slots, rows):
-                self.disk.read(slot, row.numpy())
+        self.disk.read_blocks(slots, rows)
 
     def record_compute(self):
         self._pump()

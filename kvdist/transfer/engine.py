@@ -75,7 +75,6 @@ class _Batch:
 
 @dataclass(slots=True)
 class TransferStats:
-    copies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS.values(), 0))
     batches: int = 0
     conflict_flushes: int = 0
     waits: int = 0  # dependencies handed to the executor (distinct batches and S4 events)
@@ -130,7 +129,6 @@ class TransferEngine:
         self._by_token: dict[int, _Batch] = {}  # open batches by token
         self._next_token = 0
         self._events: dict[int, object] = {}  # batch id -> event, batches in flight only
-        self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch id -> (read, written) keys
         self._next_id = 0
         self._interned: dict[object, int] = {}  # tracking="block": block id -> key
         self._stream_last: dict[str, object] = {}
@@ -233,7 +231,6 @@ class TransferEngine:
         src, dst = b.arrays()
         rk = src if self.tracking == "slot" else np.array(b.rkeys, dtype=np.int64)
         wk = dst if self.tracking == "slot" else np.array(b.wkeys, dtype=np.int64)
-        self.stats.copies[direction] += len(src)
         deps: list = []
         if "S2" in self.rules and self._events:
             # Writes wait for the last write and the reads since; reads for the last
@@ -253,7 +250,6 @@ class TransferEngine:
         bid = self._next_id
         self._next_id = (bid + 1) & _ID_MASK
         self._events[bid] = ev
-        self._keys[bid] = (rk, wk)
         self._last_read[rk] = bid
         self._last_write[wk] = bid
         self._last_read[wk] = _NONE  # this batch waited for those reads: it stands for them now
@@ -283,19 +279,12 @@ class TransferEngine:
         self.flush()
         self.executor.synchronize()
         self._events.clear()
-        self._keys.clear()
         self._stream_last.clear()
 
     def last_event(self, stream: str):
         """The event of the last batch submitted on ``stream`` ("offload", "onboard",
         "disk"), None once it is known complete."""
         return self._stream_last.get(stream)
-
-    def pending_slots(self) -> int:
-        """Keys with a copy possibly still in flight (bounded by blocks in motion)."""
-        if not self._keys:
-            return 0
-        return len(np.unique(np.concatenate([k for pair in self._keys.values() for k in pair])))
 
     @property
     def nbytes(self) -> int:
@@ -322,15 +311,11 @@ class TransferEngine:
                             f"key {k} of the open {b.direction} batch has mark {self._mark[k]}"
                     seen[k] = b.token
 
-    def in_flight_batches(self) -> int:
-        return len(self._events)
-
     def _prune(self) -> None:
         """Forget completed batches: one completion query per batch in flight. Their
         ids stay in the per-key arrays and match no event from now on."""
         done = self.executor.is_done
         for bid in [bid for bid, ev in self._events.items() if done(ev)]:
             del self._events[bid]
-            del self._keys[bid]
         for k in [k for k, e in self._stream_last.items() if done(e)]:
             del self._stream_last[k]

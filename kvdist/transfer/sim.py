@@ -32,13 +32,12 @@ class SimOp:
 
 
 class SimStream:
-    __slots__ = ("held", "last", "name", "waits")
+    __slots__ = ("held", "last", "name")
 
     def __init__(self, name: str):
         self.name = name
         self.held = False
         self.last: SimOp | None = None
-        self.waits: list[SimOp] = []
 
 
 class SimExecutor:
@@ -52,16 +51,14 @@ class SimExecutor:
         self.streams = {name: SimStream(name) for name in self.STREAMS}
         self._queued: list[SimOp] = []
         self._seq = 0
-        self.forced = 0
         self.log: list[tuple[str, list[int], list[int]]] | None = None  # tests: (direction, src, dst)
 
     # -- queueing -------------------------------------------------------------------------
     def enqueue(self, stream: str, fn: Callable[[], None], deps: list | None = None) -> SimOp:
         st = self.streams[stream]
-        all_deps = [d for d in (deps or []) if d is not None and not d.done] + st.waits
+        all_deps = [d for d in (deps or []) if d is not None and not d.done]
         if st.last is not None and not st.last.done:
             all_deps.append(st.last)
-        st.waits = []
         self._seq += 1
         op = SimOp(self._seq, st, fn, all_deps)
         st.last = op
@@ -100,7 +97,6 @@ class SimExecutor:
                 raise SimDeadlock(f"{top} is needed but stream {top.stream.name!r} is held")
             top.fn()
             top.done = True
-            self.forced += 1
             stack.pop()
         self._queued = [o for o in self._queued if not o.done]
 
