@@ -2,6 +2,7 @@
 # make test — lint, unit tests, then the MPI tests under mpiexec -n 4
 # Both create .venv on first use.
 
+SHELL    := /bin/bash
 PY       ?= python3
 VENV     := .venv
 BIN      := $(VENV)/bin
@@ -28,8 +29,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python launch/kvdist-launch -n $(NP) run --config $(CONFIG)
 
+# Ruff silently skips folders it excludes by default (dist, build, ...): fail if any
+# Python file of the tree is not in its list.
+LINT_PATHS := kvdist tests launch
 lint: $(STAMP)
-	$(BIN)/ruff check kvdist tests launch launch/kvdist-launch
+	$(BIN)/ruff check $(LINT_PATHS) launch/kvdist-launch
+	@missing=$$(comm -23 <(find $(LINT_PATHS) -name '*.py' | sort) \
+	    <($(BIN)/ruff check --show-files $(LINT_PATHS) | grep '\.py$$' | sed "s|^$$PWD/||" | sort)); \
+	if [ -n "$$missing" ]; then echo "ruff skips these files:"; echo "$$missing"; exit 1; fi
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests

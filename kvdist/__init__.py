@@ -6,7 +6,7 @@
 See DESIGN.md for the contract and README.md for the per-step API."""
 
 from .config import CacheConfig, load_config
-from .dist.consensus import InitStatus
+from .distributed.consensus import InitStatus
 from .errors import (
     ConfigError,
     ConsensusAbort,
@@ -27,7 +27,7 @@ __all__ = [
 
 # The cache itself needs torch, whose import costs seconds. Loading it on first use lets
 # `python -m kvdist run` report a config mistake at once, before any of that.
-_LAZY = {"KVCache": ".service", "create": ".service", "select_device": ".local"}
+_LAZY = {"KVCache": ".cache", "create": ".cache", "select_device": ".candidate"}
 
 
 def __getattr__(name: str):

@@ -16,9 +16,9 @@ import torch
 
 import kvdist
 from kvdist import faults
-from kvdist.dist import comm as dist_comm
-from kvdist.dist import sizing
-from kvdist.dist.consensus import HostTierWarning, config_differences, outliers
+from kvdist.distributed import capacity as caps
+from kvdist.distributed import comm as dist_comm
+from kvdist.distributed.consensus import HostTierWarning, config_differences, outliers
 from tests.conftest import make_cfg
 from tests.mpi.test_consensus import BLOCK, BUILD_REASON, HOST_REASON, OK_HOST, OK_NO_HOST, probe  # noqa: F401
 
@@ -192,10 +192,10 @@ def test_fake_ranks_per_node_env(monkeypatch):
 
 
 def test_min_capacity():
-    rows = np.array([sizing.encode((24, 8, 64)), sizing.encode(None), sizing.encode((30, 4, 70))])
-    assert sizing.min_capacity(rows) == (24, 4, 64)
-    assert sizing.min_capacity(np.array([sizing.encode(None)] * 2)) is None
-    assert sizing.describe([(24, 8, 64), None, (30, 4, 70)], (24, 4, 64)) == \
+    rows = np.array([caps.encode((24, 8, 64)), caps.encode(None), caps.encode((30, 4, 70))])
+    assert caps.min_capacity(rows) == (24, 4, 64)
+    assert caps.min_capacity(np.array([caps.encode(None)] * 2)) is None
+    assert caps.describe([(24, 8, 64), None, (30, 4, 70)], (24, 4, 64)) == \
         "rank 0: host 8->4; rank 2: gpu 30->24, disk 70->64"
 
 

@@ -16,7 +16,7 @@ from kvdist.layout import KVLayout
 from kvdist.storage import disk as disk_mod
 from kvdist.storage.disk import DiskPool, free_bytes
 from kvdist.storage.host import HostMemory
-from kvdist.storage.sizing import HostLimits
+from kvdist.storage.host_sizing import HostLimits
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_block=4)  # 512 B
 PAGE = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", tokens_per_block=16)  # 8 KiB

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import kvdist
+from kvdist.candidate import plan_capacity
 from kvdist.errors import HostTierUnavailable
 from kvdist.layout import KVLayout
-from kvdist.local import plan_capacity
 from kvdist.storage import host as host_mod
-from kvdist.storage import sizing
+from kvdist.storage import host_sizing
 from kvdist.storage.host import HostMemory, HostPool
+from kvdist.storage.host_sizing import HostLimits, auto_host_bytes
 from kvdist.storage.pinning import RegistrationError
-from kvdist.storage.sizing import HostLimits, auto_host_bytes
 
 from .conftest import make_cfg
 
@@ -287,20 +287,20 @@ def test_auto_is_bound_by_the_gpu_tier():
 
 
 def test_memlock_limit_does_not_bind_when_unlimited_or_with_cap_ipc_lock(monkeypatch):
-    monkeypatch.setattr(sizing.resource, "getrlimit", lambda what: (65536, 65536))
-    monkeypatch.setattr(sizing, "has_ipc_lock", lambda: False)
-    assert sizing.memlock_limit() == 65536
-    monkeypatch.setattr(sizing, "has_ipc_lock", lambda: True)
-    assert sizing.memlock_limit() is None
-    monkeypatch.setattr(sizing, "has_ipc_lock", lambda: False)
-    monkeypatch.setattr(sizing.resource, "getrlimit",
-                        lambda what: (sizing.resource.RLIM_INFINITY,) * 2)
-    assert sizing.memlock_limit() is None
+    monkeypatch.setattr(host_sizing.resource, "getrlimit", lambda what: (65536, 65536))
+    monkeypatch.setattr(host_sizing, "has_ipc_lock", lambda: False)
+    assert host_sizing.memlock_limit() == 65536
+    monkeypatch.setattr(host_sizing, "has_ipc_lock", lambda: True)
+    assert host_sizing.memlock_limit() is None
+    monkeypatch.setattr(host_sizing, "has_ipc_lock", lambda: False)
+    monkeypatch.setattr(host_sizing.resource, "getrlimit",
+                        lambda what: (host_sizing.resource.RLIM_INFINITY,) * 2)
+    assert host_sizing.memlock_limit() is None
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_plan_capacity_host_auto_uses_the_per_rank_share(monkeypatch, ranks):
-    monkeypatch.setattr(sizing, "read_limits", lambda: HostLimits(available=64 << 20, memlock=None))
+    monkeypatch.setattr(host_sizing, "read_limits", lambda: HostLimits(available=64 << 20, memlock=None))
     cfg = kvdist.load_config(make_cfg(cache={"gpu": {"blocks": 1000}, "host": {"bytes": "auto"}}))
     layout = KVLayout.from_config(cfg)
     gpu, host, disk = plan_capacity(cfg, layout, torch.device("cpu"), local_ranks=ranks)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kvdist
+from kvdist.candidate import plan_capacity
 from kvdist.config import WorkloadConfig
 from kvdist.layout import KVLayout
-from kvdist.local import plan_capacity
 from kvdist.sim.driver import RunOptions, Simulation, run
 from kvdist.sim.integrity import BlockLedger
 from kvdist.sim.metrics import MetricsServer, snapshot_from

@@ -19,8 +19,8 @@ from tabulate import tabulate
 from ..config import parse_size
 from ..errors import HostTierUnavailable
 from ..storage.host import HUGE_PAGE, HostMemory, default_threads
+from ..storage.host_sizing import read_limits
 from ..storage.pinning import CudaRegistrar
-from ..storage.sizing import read_limits
 
 
 def _parser() -> argparse.ArgumentParser:

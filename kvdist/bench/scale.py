@@ -36,8 +36,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from ..blocks import GPU, HOST
+from ..cache import KVCache, create
 from ..layout import KVLayout
-from ..service import KVCache, create
 
 LARGE = (65_536, 1_048_576)
 SHRINK = 16

@@ -28,8 +28,8 @@ import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
-from ..local import select_device
-from ..service import create
+from ..cache import create
+from ..candidate import select_device
 
 
 def _old_table(manager, ids: list, device: torch.device) -> torch.Tensor:

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..cache import KVCache, create
 from ..config import CacheConfig
 from ..errors import ConsistencyError
-from ..service import KVCache, create
 from ..storage.gpu import torch_dtype
 from .integrity import BlockLedger
 from .metrics import MetricsServer, Timeline, snapshot_from

@@ -1,7 +1,7 @@
 """The simulation's own communicator: the tensor-parallel model's allreduces and the
 run's small agreements and gathers.
 
-It is a Dup of COMM_WORLD made through :func:`kvdist.dist.comm.resolve` (or a
+It is a Dup of COMM_WORLD made through :func:`kvdist.distributed.comm.resolve` (or a
 one-rank stand-in without MPI), separate from the cache's communicator, so model
 traffic never interleaves with the cache's collectives."""
 
@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from ..dist import comm as dist_comm
+from ..distributed import comm as dist_comm
 
 
 class TensorParallel:

@@ -1,7 +1,7 @@
 """Where each rank runs: node, node-local rank and the GPU it picks.
 
 The node layout comes from ``Split_type(COMM_TYPE_SHARED)`` (through
-:func:`kvdist.dist.comm.resolve`, which honours ``KVDIST_FAKE_RANKS_PER_NODE``), and
+:func:`kvdist.distributed.comm.resolve`, which honours ``KVDIST_FAKE_RANKS_PER_NODE``), and
 the device from :func:`kvdist.select_device` — ``cuda:<node-local rank mod GPUs>`` —
 exactly what ``kvdist.create`` uses, so an engine that picks its GPU the same way
 lands on the same device as its cache.
@@ -22,8 +22,8 @@ from unittest import mock
 import torch
 from tabulate import tabulate
 
-from ..dist.comm import resolve
-from ..local import select_device
+from ..candidate import select_device
+from ..distributed.comm import resolve
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cache import create
 from ..config import CacheConfig
-from ..service import create
 from .workload import Request
 
 POLICIES = ("gpu-only", "no reuse")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..transfer.sim import SimExecutor
+from ..transfer.simulated import SimExecutor
 
 
 def _cpu_empty(like: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:

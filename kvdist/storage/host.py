@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from ..errors import HostTierUnavailable
 from ..layout import KVLayout
+from .host_sizing import HostLimits, read_limits
 from .pinning import CudaRegistrar, Registrar, RegistrationError
-from .sizing import HostLimits, read_limits
 
 log = logging.getLogger("kvdist.host")
 

@@ -4,7 +4,7 @@ CPU, CUDA streams)."""
 
 from .engine import ALL_RULES, DIRECTIONS, TransferEngine
 from .executors import HostCopies, SyncExecutor
-from .sim import SimDeadlock, SimExecutor
+from .simulated import SimDeadlock, SimExecutor
 
 __all__ = ["ALL_RULES", "DIRECTIONS", "HostCopies", "SimDeadlock", "SimExecutor",
            "SyncExecutor", "TransferEngine"]

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import kvdist
-import kvdist.local
+import kvdist.candidate
 from kvdist import faults
-from kvdist.dist import comm as dist_comm
-from kvdist.dist import sizing
-from kvdist.dist.consensus import HostTierWarning
+from kvdist.distributed import capacity as caps
+from kvdist.distributed import comm as dist_comm
+from kvdist.distributed.consensus import HostTierWarning
 from tests.conftest import make_cfg
 from tests.test_integrity import churn
 
@@ -69,8 +69,8 @@ class Probe:
 @pytest.fixture
 def probe(monkeypatch):
     p = Probe()
-    real_build = kvdist.local.build_local
-    real_teardown = kvdist.local.LocalCache.teardown
+    real_build = kvdist.candidate.build_local
+    real_teardown = kvdist.candidate.LocalCache.teardown
 
     def build_local(cfg, capacity, device, rank, *, with_host=True, fallback=False):
         try:
@@ -92,8 +92,8 @@ def probe(monkeypatch):
             p.teardowns += 1
         real_teardown(self)
 
-    monkeypatch.setattr(kvdist.local, "build_local", build_local)
-    monkeypatch.setattr(kvdist.local.LocalCache, "teardown", teardown)
+    monkeypatch.setattr(kvdist.candidate, "build_local", build_local)
+    monkeypatch.setattr(kvdist.candidate.LocalCache, "teardown", teardown)
     return p
 
 
@@ -316,14 +316,14 @@ def test_collective_raises_after_local_build(world, monkeypatch, probe, shared_d
 
 
 def _rank_dependent_plans(monkeypatch, rank: int) -> None:
-    monkeypatch.setattr(kvdist.local.LocalBuilder, "plan",
+    monkeypatch.setattr(kvdist.candidate.LocalBuilder, "plan",
                         lambda self: (setattr(self, "device", kvdist.select_device("cpu"))
                                       or (24 + 3 * rank, 8 + rank, 64 + 5 * rank)))
 
 
 def _min_off(monkeypatch, rank: int) -> None:
     """The rule switched off: every rank keeps its own plan."""
-    monkeypatch.setattr(sizing, "min_capacity", lambda rows: tuple(int(n) for n in rows[rank]))
+    monkeypatch.setattr(caps, "min_capacity", lambda rows: tuple(int(n) for n in rows[rank]))
 
 
 @pytest.mark.parametrize("rule", ["on", "off"])
@@ -457,7 +457,7 @@ def test_teardown_error_during_use_no_host(world, monkeypatch, probe, shared_dir
     if world.size == 1:
         pytest.skip("needs a healthy candidate on a rank other than the host-failing one")
     last = world.size - 1
-    counted_teardown = kvdist.local.LocalCache.teardown
+    counted_teardown = kvdist.candidate.LocalCache.teardown
     failed = []
 
     def teardown(self):
@@ -466,7 +466,7 @@ def test_teardown_error_during_use_no_host(world, monkeypatch, probe, shared_dir
             failed.append(True)
             raise RuntimeError("injected teardown failure")
 
-    monkeypatch.setattr(kvdist.local.LocalCache, "teardown", teardown)
+    monkeypatch.setattr(kvdist.candidate.LocalCache, "teardown", teardown)
     outcomes = attempt(world, monkeypatch, probe, config(shared_dir), "host_tier@0", shared_dir)
     failures = {0: HOST_REASON.format(0),
                 last: "rebuild without the host tier: RuntimeError: injected teardown failure"}

@@ -9,13 +9,13 @@ from collections.abc import Hashable, Iterable, Sequence
 import torch
 
 from .blocks import TIER_NAMES
+from .candidate import LocalBuilder, LocalCache
 from .config import CacheConfig, load_config
-from .dist import comm as dist_comm
-from .dist.consensus import Committed, InitStatus, InitTiming, establish, outliers
+from .distributed import comm as dist_comm
+from .distributed.consensus import Committed, InitStatus, InitTiming, establish, outliers
 from .errors import ConsistencyError
 from .eviction import DEFAULT_PRIORITY
 from .layout import KVLayout
-from .local import LocalBuilder, LocalCache
 
 
 class KVCache:

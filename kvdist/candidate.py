@@ -17,10 +17,10 @@ from .layout import KVLayout
 from .manager import CacheManager
 from .staging import Stager, make_stager
 from .storage import DiskPool, GpuPool, HostPool
-from .storage.sizing import auto_host_bytes, available_memory
+from .storage.host_sizing import auto_host_bytes, available_memory
 from .transfer import HostCopies, SimExecutor, SyncExecutor
 
-log = logging.getLogger("kvdist.local")
+log = logging.getLogger("kvdist.candidate")
 
 
 def select_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -174,7 +174,7 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
 
 
 class LocalBuilder:
-    """This rank's side of the start-up protocol (``kvdist.dist.consensus.Builder``):
+    """This rank's side of the start-up protocol (``kvdist.distributed.consensus.Builder``):
     ``plan`` picks the device and the capacity it could allocate (no allocation),
     ``build`` allocates a candidate of the capacity all ranks agreed on."""
 

@@ -37,7 +37,7 @@ import numpy as np
 from .. import faults
 from ..config import CacheConfig
 from ..errors import ConsensusAbort, HostTierUnavailable
-from . import sizing
+from . import capacity as caps
 
 log = logging.getLogger("kvdist.consensus")
 _REASON_CHARS = 400
@@ -62,10 +62,10 @@ class Candidate(Protocol):
 class Builder(Protocol):
     """What the protocol needs from the layer that allocates tiers."""
 
-    def plan(self) -> sizing.Capacity:
+    def plan(self) -> caps.Capacity:
         """Blocks per tier (gpu, host, disk) this rank could allocate. No allocation."""
 
-    def build(self, capacity: sizing.Capacity, *, with_host: bool, fallback: bool) -> Candidate:
+    def build(self, capacity: caps.Capacity, *, with_host: bool, fallback: bool) -> Candidate:
         """Allocate a candidate of ``capacity`` (host tier left out unless ``with_host``).
         Must free whatever it allocated before raising."""
 
@@ -103,7 +103,7 @@ class Committed:
 
     candidate: Candidate
     status: InitStatus
-    capacity: sizing.Capacity
+    capacity: caps.Capacity
     failures: dict[int, str] = field(default_factory=dict)  # ranks that could not pin, why
     timing: InitTiming = field(default_factory=InitTiming)
 
@@ -170,7 +170,7 @@ class _Protocol:
             return e
         return None
 
-    def build(self, capacity: sizing.Capacity, *, with_host: bool,
+    def build(self, capacity: caps.Capacity, *, with_host: bool,
               fallback: bool) -> tuple[InitStatus, BaseException | None]:
         assert self.candidate is None, "a candidate is already held"
         self.timing.builds += 1
@@ -203,7 +203,7 @@ class _Protocol:
                              failures)
 
     # -- the protocol -------------------------------------------------------------------------
-    def exchange_plans(self) -> tuple[sizing.Capacity | None, BaseException | None]:
+    def exchange_plans(self) -> tuple[caps.Capacity | None, BaseException | None]:
         """One allgather of (config digest, planned capacity); raise on a config mismatch."""
         try:
             with self.timing.clock("plan"):
@@ -211,16 +211,16 @@ class _Protocol:
         except Exception as e:
             planned, plan_error = None, e
         digest = np.frombuffer(bytes.fromhex(self.cfg.digest()), dtype=np.int64).tolist()
-        table = self.collective(self.comm.allgather_ints, digest + sizing.encode(planned),
+        table = self.collective(self.comm.allgather_ints, digest + caps.encode(planned),
                                 "config digest and planned capacities")
         n = len(digest)
         ref, differing = outliers([tuple(row[:n]) for row in table.tolist()])
         if differing:
             self.config_mismatch(ref, differing)
-        capacity = sizing.min_capacity(table[:, n:])
+        capacity = caps.min_capacity(table[:, n:])
         if capacity is not None and self.comm.rank == 0:
-            plans = [None if row[0] == sizing.UNPLANNED else tuple(row) for row in table[:, n:].tolist()]
-            reduced = sizing.describe(plans, capacity)
+            plans = [None if row[0] == caps.UNPLANNED else tuple(row) for row in table[:, n:].tolist()]
+            reduced = caps.describe(plans, capacity)
             if reduced:
                 log.info("tier capacities MIN-reduced across ranks to %s blocks: %s", capacity, reduced)
         return capacity, plan_error
