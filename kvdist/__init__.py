@@ -8,6 +8,7 @@ See DESIGN.md for the contract and README.md for the per-step API."""
 from .config import CacheConfig, load_config
 from .distributed.consensus import InitStatus
 from .errors import (
+    CacheClosedError,
     ConfigError,
     ConsensusAbort,
     ConsensusTimeout,
@@ -15,14 +16,15 @@ from .errors import (
     HostTierUnavailable,
     KVDistError,
     OutOfBlocksError,
+    StepOrderError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheConfig", "ConfigError", "ConsensusAbort", "ConsensusTimeout", "ConsistencyError",
-    "HostTierUnavailable", "InitStatus", "KVCache", "KVDistError", "OutOfBlocksError",
-    "create", "load_config", "select_device",
+    "CacheClosedError", "CacheConfig", "ConfigError", "ConsensusAbort", "ConsensusTimeout",
+    "ConsistencyError", "HostTierUnavailable", "InitStatus", "KVCache", "KVDistError", "OutOfBlocksError",
+    "StepOrderError", "create", "load_config", "select_device",
 ]
 
 # The cache itself needs torch, whose import costs seconds. Loading it on first use lets

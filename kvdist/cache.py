@@ -13,13 +13,32 @@ from .candidate import LocalBuilder, LocalCache
 from .config import CacheConfig, load_config
 from .distributed import comm as dist_comm
 from .distributed.consensus import Committed, InitStatus, InitTiming, establish, outliers
-from .errors import ConsistencyError
+from .errors import CacheClosedError, ConsistencyError, StepOrderError
 from .eviction import DEFAULT_PRIORITY
 from .layout import KVLayout
 
+_CLOSED_MESSAGE = "the cache is closed: close() freed its tiers; create a new one"
+
+
+class _Closed:
+    """Stands in for the parts of a closed cache: any use raises CacheClosedError."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        raise CacheClosedError(_CLOSED_MESSAGE)
+
+
+_CLOSED = _Closed()
+
 
 class KVCache:
-    """One rank's tiered, paged KV cache. Not thread-safe: one scheduler thread drives it."""
+    """One rank's tiered, paged KV cache. Not thread-safe: one scheduler thread drives it.
+
+    A step is ``begin_step``, then any ``add_sequence`` / ``append_tokens`` and one or
+    more ``block_table``, then ``end_step``; these calls outside that order raise
+    StepOrderError (nothing changed). ``release``, ``stats`` and the checks work at any
+    time. After ``close()`` every call but ``close()`` raises CacheClosedError."""
 
     def __init__(self, local: LocalCache, comm, status: InitStatus, init: Committed | None = None):
         self._local = local
@@ -35,30 +54,39 @@ class KVCache:
         self.config: CacheConfig = local.cfg
         self._check_every = local.cfg.distributed.check_consistency_every
         self._closed = False
+        self._in_step = False
 
     # -- one scheduler step -----------------------------------------------------------------
     def begin_step(self) -> None:
         """Start a step: the copy streams wait for the compute stream (S4)."""
-        self.manager.begin_step()
+        manager = self._live()
+        if self._in_step:
+            raise StepOrderError("begin_step: the previous step is still open (call end_step first)")
+        manager.begin_step()
+        self._in_step = True
 
     def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
                      priority: int = DEFAULT_PRIORITY) -> int:
         """Admit a prompt; returns how many of its tokens are reused from the cache.
         Raises OutOfBlocksError (nothing changed) when it cannot fit."""
-        return self.manager.add_sequence(seq_id, tokens, priority)
+        return self._scheduling("add_sequence").add_sequence(seq_id, tokens, priority)
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Grow a sequence by decoded tokens whose K/V this step writes."""
-        self.manager.append_tokens(seq_id, tokens)
+        self._scheduling("append_tokens").append_tokens(seq_id, tokens)
 
     def block_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 ``[len(seq_ids), max blocks]`` on ``device``, rows padded with -1. Ends
         scheduling for the step: compute waits for the copies queued so far (S5)."""
+        manager = self._scheduling("block_table")
+        if isinstance(seq_ids, str | bytes):
+            raise TypeError(f"block_table takes a list of sequence ids, not the {type(seq_ids).__name__} "
+                            f"{seq_ids!r} (wrap one id in a list)")
         # Gathered straight into a staging slot, copied from there (S3): later host
         # writes to the scheduler's rows or to the next step's table cannot reach it.
         stager = self.stager
-        table = stager.upload_buffer(self.manager.table_rows(list(seq_ids), stager.host_buffer))
-        self.manager.before_compute()
+        table = stager.upload_buffer(manager.table_rows(list(seq_ids), stager.host_buffer))
+        manager.before_compute()
         return table
 
     def kv_pool(self, layer: int) -> torch.Tensor:
@@ -68,9 +96,25 @@ class KVCache:
 
     def end_step(self) -> None:
         """Blocks filled in this step become reusable."""
-        self.manager.end_step()
+        manager = self._live()
+        if not self._in_step:
+            raise StepOrderError("end_step without begin_step")
+        self._in_step = False
+        manager.end_step()
         if self._check_every and self.manager.counters.steps % self._check_every == 0:
             self.check_consistency()
+
+    def _live(self):
+        if self._closed:
+            raise CacheClosedError(_CLOSED_MESSAGE)
+        return self.manager
+
+    def _scheduling(self, call: str):
+        manager = self._live()
+        if not self._in_step:
+            raise StepOrderError(f"{call} outside a step: call begin_step first (rule S4: copies "
+                                 "must follow the last step's kernels)")
+        return manager
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence is finished; its full blocks stay cached."""
@@ -155,9 +199,12 @@ class KVCache:
         if self._closed:
             return
         self._closed = True
-        self.manager = None  # it reaches every pool through the executor
+        local = self._local
+        # Every later call raises CacheClosedError; the manager reaches every pool
+        # through the executor, so it must go too.
+        self.manager = self.stager = self._local = _CLOSED
         try:
-            self._local.teardown()
+            local.teardown()
             # After a timed-out collective the communicator is unusable: nothing to wait on.
             if wait_for_peers and getattr(self._comm, "broken", None) is None:
                 self._comm.barrier("close")

@@ -61,3 +61,12 @@ class ConsistencyError(KVDistError):
     def __init__(self, message: str, diverged: list[int]):
         self.diverged = list(diverged)
         super().__init__(message)
+
+
+class CacheClosedError(KVDistError):
+    """A call on a cache after its ``close()``."""
+
+
+class StepOrderError(KVDistError):
+    """A step call out of order: ``begin_step`` while a step is open, ``end_step`` or
+    a scheduling call (``add_sequence``, ``append_tokens``, ``block_table``) outside one."""

@@ -50,6 +50,21 @@ _MASK64 = (1 << 64) - 1
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 
 
+def token_array(tokens: Iterable[int]) -> array:
+    """Token ids as an int32 array, converted whole before anything changes. Ids are
+    opaque to the cache (hashed, never indexed): any int32 is accepted, negative ones
+    included, and a bool is the int it equals (Python's ``True == 1``). Anything else
+    (a float, a str, an id outside int32) raises ValueError."""
+    if not isinstance(tokens, list | tuple):
+        tokens = list(tokens)  # a generator that raises midway raises here
+    tok = array("i")
+    try:  # struct converts a list of ints 2.5x faster than array() does
+        tok.frombytes(struct.pack(f"{len(tokens)}i", *tokens))
+    except struct.error as e:
+        raise ValueError(f"token ids must be ints that fit in int32 ({e})") from None
+    return tok
+
+
 @dataclass(slots=True)
 class Sequence:
     seq_id: Hashable
@@ -235,13 +250,7 @@ class CacheManager:
         if isinstance(priority, bool) or not isinstance(priority, int) or \
                 not 0 <= priority < NUM_PRIORITIES:
             raise ValueError(f"priority must be an int in 0..{NUM_PRIORITIES - 1}, got {priority!r}")
-        if not isinstance(tokens, list | tuple):
-            tokens = list(tokens)
-        tok = array("i")
-        try:  # struct converts a list of ints 2.5x faster than array() does
-            tok.frombytes(struct.pack(f"{len(tokens)}i", *tokens))
-        except struct.error as e:
-            raise ValueError(f"token ids must be ints that fit in int32 ({e})") from None
+        tok = token_array(tokens)
         n = len(tok)
         if n == 0:
             raise ValueError(f"sequence {seq_id!r} has no tokens")
@@ -314,19 +323,14 @@ class CacheManager:
         """Grow a sequence by decoded tokens (their K/V is written in this step)."""
         t0 = time.perf_counter()
         seq = self._get(seq_id)
-        old = len(seq.tokens)
-        try:
-            seq.tokens.extend(tokens)
-        except OverflowError:
-            del seq.tokens[old:]
-            raise ValueError("token ids must fit in int32") from None
-        need = -(-len(seq.tokens) // self.tpb) - len(seq.slots)
+        tok = token_array(tokens)  # the whole input first: a bad id changes nothing
+        need = -(-(len(seq.tokens) + len(tok)) // self.tpb) - len(seq.slots)
         if need > 0:
             available = self._available_gpu()
             if need > available:
-                del seq.tokens[old:]
                 raise OutOfBlocksError(need, available, f"appending to sequence {seq_id!r}")
             seq.slots.extend(self._alloc_gpu(need, seq.priority))
+        seq.tokens.extend(tok)
         self._dirty[seq_id] = seq
         self.bookkeeping_seconds += time.perf_counter() - t0
 

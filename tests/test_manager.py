@@ -60,8 +60,10 @@ def test_reuse_exact_ids(make):
     assert m.free[0].snapshot().tolist() == [2, 3]  # the partial block was freed
     assert d.step("b", T(0, 8) + [100, 101], release=False) == 8
     assert m.seqs["b"].slots == [0, 1, 2]
+    cache.begin_step()
     with pytest.raises(kvdist.OutOfBlocksError) as ei:
         cache.add_sequence("c", T(50, 12))
+    cache.end_step()
     assert (ei.value.needed, ei.value.available) == (3, 1)
     assert "c" not in m.seqs and m.free[0].snapshot().tolist() == [3]
     cache.check_invariants()
@@ -181,8 +183,10 @@ def test_append_grows_and_registers(make):
 def test_append_out_of_blocks_changes_nothing(make):
     cache, d = make(gpu=2)
     d.step("a", T(0, 8), release=False)
+    cache.begin_step()
     with pytest.raises(kvdist.OutOfBlocksError, match="needs 1 GPU blocks but only 0"):
         cache.append_tokens("a", [1])
+    cache.end_step()
     assert len(cache.manager.seqs["a"].tokens) == 8
     cache.check_invariants()
 
@@ -190,12 +194,14 @@ def test_append_out_of_blocks_changes_nothing(make):
 def test_bad_calls(make):
     cache, d = make(gpu=4)
     d.step("a", T(0, 3), release=False)
+    cache.begin_step()
     with pytest.raises(ValueError, match="already"):
         cache.add_sequence("a", [1])
     with pytest.raises(ValueError, match="no tokens"):
         cache.add_sequence("b", [])
     with pytest.raises(ValueError, match="priority"):
         cache.add_sequence("b", [1], priority=101)
+    cache.end_step()
     with pytest.raises(KeyError, match="unknown sequence 'zz'"):
         cache.release("zz")
     cache.check_invariants()
