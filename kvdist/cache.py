@@ -13,6 +13,7 @@ from .candidate import LocalBuilder, LocalCache
 from .config import CacheConfig, load_config
 from .distributed import comm as dist_comm
 from .distributed.consensus import Committed, InitStatus, InitTiming, establish, outliers
+from .distributed.replicas import ReplicaComms, ReplicaLayout
 from .errors import CacheClosedError, ConsistencyError, StepOrderError
 from .eviction import DEFAULT_PRIORITY
 from .layout import KVLayout
@@ -40,10 +41,19 @@ class KVCache:
     StepOrderError (nothing changed). ``release``, ``stats`` and the checks work at any
     time. After ``close()`` every call but ``close()`` raises CacheClosedError."""
 
-    def __init__(self, local: LocalCache, comm, status: InitStatus, init: Committed | None = None):
+    def __init__(self, local: LocalCache, comm, status: InitStatus, init: Committed | None = None,
+                 replicas: ReplicaComms | None = None):
         self._local = local
         self._init = init
         self._comm = comm
+        if replicas is None:
+            replicas = ReplicaComms(comm, ReplicaLayout.of(comm.rank, comm.size, 0))
+        self._replicas = replicas
+        where = replicas.layout
+        self.replica: int = where.replica  # this rank's replica (0 .. num_replicas - 1)
+        self.num_replicas: int = where.num_replicas
+        self.tp_rank: int = where.tp_rank  # this rank's place in its replica's TP group
+        self.tp_size: int = where.tp_size
         self.manager = local.manager
         self.stager = local.stager
         self.rank: int = comm.rank
@@ -120,6 +130,23 @@ class KVCache:
         """The sequence is finished; its full blocks stay cached."""
         self.manager.release(seq_id)
 
+    def prefetch(self, seq_id: Hashable, tokens: Iterable[int]) -> int:
+        """Start pulling the blocks of a request that only other replicas hold (the
+        remote tier), without blocking; returns how many blocks are on their way (0
+        without a remote tier). A later ``add_sequence(seq_id, ...)`` reuses those that
+        have landed and been agreed by the replica's ranks; ``prefetch_ready`` says when
+        every one of them has (landed or given up, at most ``fetch_timeout_ms`` later).
+        Same answer on every TP rank of the replica."""
+        self._live()
+        return 0
+
+    def prefetch_ready(self, seq_id: Hashable) -> bool:
+        """Whether nothing prefetched for ``seq_id`` is still on its way (True for a
+        sequence never prefetched). Changes only at step boundaries, alike on the
+        replica's ranks, so a scheduler can admit on it."""
+        self._live()
+        return True
+
     def synchronize(self) -> None:
         """Block the host until every queued tier copy has run."""
         self.manager.synchronize()
@@ -145,6 +172,10 @@ class KVCache:
             "blocks_free": {t: f for t, (_, f) in usage.items()},
             "capacity_blocks": {t: u + f for t, (u, f) in usage.items()},
             "hit_tokens": {TIER_NAMES[t]: c.hit_tokens[t] for t in range(3) if m.has_tier(t)},
+            # The remote tier (blocks of other replicas): bytes that landed here, and
+            # blocks looked up that turned out stale or did not come in time.
+            "bytes_fetched_remote": 0,
+            "remote_misses": 0,
             "prompt_tokens": c.prompt_tokens,
             "bytes_offloaded": (moved["offload"] + moved["spill"]) * bpb,
             "bytes_onboarded": (moved["onboard"] + moved["fetch"]) * bpb,
@@ -168,6 +199,10 @@ class KVCache:
             "metadata_bytes": m.metadata_bytes(),
             "rank": self.rank,
             "world_size": self.world_size,
+            "replica": self.replica,
+            "num_replicas": self.num_replicas,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
             "init_seconds": self._init.timing.as_dict() if self._init else {},
             "init_failures": dict(self._init.failures) if self._init else {},
         }
@@ -178,18 +213,24 @@ class KVCache:
         self.stager.check_invariants()
 
     def check_consistency(self) -> None:
-        """Collective: compare a digest of every rank's cache state (prefix index, tier
-        occupancy, sequences); raise ConsistencyError on every rank, naming the ranks
-        that differ from the majority, when they diverged. TP ranks fed the same request
-        stream must never diverge. Runs by itself every
-        ``distributed.check_consistency_every`` end_steps when that is set."""
-        digests = self._comm.allgather(self.manager.state_digest(), "cache state digest")
+        """Collective over this rank's replica (its TP group; the whole job when there is
+        one replica): compare a digest of every rank's cache state (prefix index, tier
+        occupancy, sequences); raise ConsistencyError on every rank of the replica,
+        naming the ranks that differ from the majority, when they diverged. TP ranks fed
+        the same request stream must never diverge; replicas serve different requests
+        and are not compared. Runs by itself every ``distributed.check_consistency_every``
+        end_steps when that is set."""
+        tp = self._replicas.tp
+        digests = tp.allgather(self.manager.state_digest(), "cache state digest")
         ref, diverged = outliers(digests)
         if diverged:
+            first = self.replica * self.tp_size  # world rank of TP rank 0 of this replica
+            ranks = [first + r for r in diverged]
             raise ConsistencyError(
                 f"cache state diverged at step {self.manager.counters.steps}: rank(s) "
-                f"{', '.join(map(str, diverged))} differ from rank {ref} (the majority of "
-                f"{self.world_size})", diverged)
+                f"{', '.join(map(str, ranks))} differ from rank {first + ref} (the majority of "
+                f"{tp.size}{' in replica ' + str(self.replica) if self.num_replicas > 1 else ''})",
+                ranks)
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self, wait_for_peers: bool = True) -> None:
@@ -209,6 +250,7 @@ class KVCache:
             if wait_for_peers and getattr(self._comm, "broken", None) is None:
                 self._comm.barrier("close")
         finally:
+            self._replicas.free()
             self._comm.free()
 
     def __enter__(self) -> KVCache:
@@ -233,12 +275,20 @@ def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
     with timing.clock("consensus"):
         c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
     try:
+        layout = ReplicaLayout.of(c.rank, c.size, cfg.distributed.tp_size)
         done = establish(c, cfg, LocalBuilder(cfg, c.rank, c.local_rank, c.local_size), timing)
     except BaseException as e:
         c.free()
         e.init_seconds = timing.as_dict()  # what the failed start cost this rank, for operators
         raise
-    return KVCache(done.candidate, c, done.status, done)
+    try:
+        with timing.clock("consensus"):
+            replicas = ReplicaComms(c, layout)
+    except BaseException:
+        done.candidate.teardown()
+        c.free()
+        raise
+    return KVCache(done.candidate, c, done.status, done, replicas)
 
 
 __all__ = ["KVCache", "create"]

@@ -161,9 +161,22 @@ class CacheSection(_Section):
         return v
 
 
+class RemoteConfig(_Section):
+    """The remote tier: a replica's misses looked up in the other replicas' host tiers
+    (docs/design.md, "Remote tier"). Needs a host tier."""
+
+    enabled: bool = False
+    fetch_timeout_ms: float = Field(default=100.0, gt=0)
+    # How bytes travel between replicas: auto = a shared mapping between replicas on one
+    # node, MPI messages across nodes; "messages" everywhere (benchmarks, tests).
+    transport: Literal["auto", "messages"] = "auto"
+
+
 class DistributedConfig(_Section):
     consensus_timeout_s: float = Field(default=120.0, gt=0)
     check_consistency_every: int = Field(default=0, ge=0)  # steps; 0 = never automatically
+    tp_size: int = Field(default=0, ge=0)  # ranks per replica; 0 = the whole job is one replica
+    remote: RemoteConfig = RemoteConfig()
 
 
 def _token_range(value: object) -> tuple[int, int]:
@@ -260,6 +273,10 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     if not isinstance(data, dict):
         raise ConfigError("<config>", type(data).__name__, "the config must be a mapping")
     try:
-        return CacheConfig.model_validate(data)
+        cfg = CacheConfig.model_validate(data)
     except ValidationError as err:
         raise _to_config_error(err) from None
+    if cfg.distributed.remote.enabled and cfg.cache.host.bytes == 0:
+        raise ConfigError("distributed.remote.enabled", True,
+                          "the remote tier needs a host tier (cache.host.bytes > 0)")
+    return cfg

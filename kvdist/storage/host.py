@@ -6,7 +6,13 @@ lacks it); then ``cudaHostRegister`` in bounded chunks, each chunk registered as
 as its pages are in, so faulting and registering overlap and no single driver call
 holds the driver's locks for long. A failure on the way undoes every registration
 and unmaps before the error leaves. Running out of memory, the memlock limit and a
-registration error become :class:`HostTierUnavailable` (USE_NO_HOST in consensus)."""
+registration error become :class:`HostTierUnavailable` (USE_NO_HOST in consensus).
+
+With ``shared_path`` the memory is a file in a shared-memory file system (/dev/shm),
+mapped shared, so other processes of the node can map the same pages (the remote
+tier's one-node path). Its pages are reserved with ``posix_fallocate`` first: a
+/dev/shm too small (containers cap it) shows as :class:`SharedMemoryUnavailable` at
+start, never as SIGBUS later; a host pool then falls back to private memory."""
 
 from __future__ import annotations
 
@@ -78,16 +84,23 @@ class PinTimings:
     chunks: int = 0
 
 
+class SharedMemoryUnavailable(OSError):
+    """The shared-memory file could not be created at full size (/dev/shm too small)."""
+
+
 class HostMemory:
     """``nbytes`` of page-aligned host memory as a 1-D uint8 tensor ``flat``.
 
     ``registrar`` None means plain (prefaulted) memory. ``align`` is the unit chunk
-    boundaries fall on (a block, so no block straddles two registrations)."""
+    boundaries fall on (a block, so no block straddles two registrations).
+    ``shared_path``: back the memory by that file, mapped shared — created (it must not
+    exist; removed again at close unless ``unlink`` ran first) or, with ``attach``,
+    another process's file opened as it is (no prefault: its pages exist)."""
 
     def __init__(self, nbytes: int, *, registrar: Registrar | None = None, chunk_bytes: int = 1 << 30,
                  align: int = 1, threads: int = 0, limits: HostLimits | None = None,
                  check_memlock: bool = True, huge_pages: bool = True, progress: bool | None = None,
-                 prefault: str = "auto"):
+                 prefault: str = "auto", shared_path: str | None = None, attach: bool = False):
         assert nbytes > 0, f"nbytes must be > 0, got {nbytes}"
         assert prefault in ("auto", "madvise", "touch"), f"unknown prefault method {prefault!r}"
         self.nbytes = nbytes
@@ -99,12 +112,15 @@ class HostMemory:
         self._mm: mmap.mmap | None = None
         self.flat: torch.Tensor | None = None
         self.addr = 0
-        self._check_limits(limits or read_limits(), check_memlock)
+        self.shared_path = shared_path
+        self._owns_file = False  # this process created shared_path and has not unlinked it
+        if not attach:
+            self._check_limits(limits or read_limits(), check_memlock)
         t0 = time.perf_counter()
         try:
-            self._map(huge_pages)
+            self._map(huge_pages, attach)
             self.timings.map_s = time.perf_counter() - t0
-            self._populate_and_register(prefault, progress)
+            self._populate_and_register(prefault, progress, populate=not attach)
         except BaseException:
             self.close()
             raise
@@ -129,12 +145,55 @@ class HostMemory:
                 f"--ulimit memlock=-1, or set cache.host.check_memlock: false where the CUDA "
                 f"driver does not charge pinned memory to it)")
 
-    def _map(self, huge_pages: bool) -> None:
+    def _open_shared(self, attach: bool) -> int:
+        """The file descriptor of the shared file, created at full size unless ``attach``."""
+        path = self.shared_path
+        if attach:
+            fd = os.open(path, os.O_RDWR)
+            if os.fstat(fd).st_size < self.nbytes:
+                os.close(fd)
+                raise OSError(errno.EINVAL, f"{path} is smaller than {self.nbytes} bytes")
+            return fd
         try:
-            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
-            if e.errno != errno.ENOMEM:
+            raise SharedMemoryUnavailable(e.errno, f"cannot create {path}: {e.strerror}") from None
+        self._owns_file = True
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            os.close(fd)
+            self.unlink()
+            free = os.statvfs(os.path.dirname(path) or ".")
+            raise SharedMemoryUnavailable(
+                e.errno, f"cannot reserve {_gib(self.nbytes)} in {path} ({e.strerror}; "
+                f"{_gib(free.f_bavail * free.f_frsize)} free there)") from None
+        return fd
+
+    def unlink(self) -> None:
+        """Remove the shared file's name (the mapping stays valid in every process that
+        has it mapped); idempotent."""
+        if self._owns_file:
+            self._owns_file = False
+            try:
+                os.unlink(self.shared_path)
+            except FileNotFoundError:
+                pass
+
+    def _map(self, huge_pages: bool, attach: bool = False) -> None:
+        try:
+            if self.shared_path is None:
+                self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE,
+                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            else:
+                fd = self._open_shared(attach)
+                try:
+                    self._mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED,
+                                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            if e.errno != errno.ENOMEM or isinstance(e, SharedMemoryUnavailable):
                 raise
             raise HostTierUnavailable(
                 f"cannot map a host tier of {_gib(self.nbytes)}: {e.strerror} (available "
@@ -172,9 +231,10 @@ class HostMemory:
         err = _madvise(self.addr, PAGE, MADV_POPULATE_WRITE)
         return "touch" if err == errno.EINVAL else "madvise"
 
-    def _populate_and_register(self, prefault: str, progress: bool | None) -> None:
+    def _populate_and_register(self, prefault: str, progress: bool | None,
+                               populate: bool = True) -> None:
         t = self.timings
-        t.method = self._method(prefault)
+        t.method = self._method(prefault) if populate else "none"
         t.chunks = len(self.chunks)
         show = progress if progress is not None else (
             self.nbytes > PROGRESS_MIN_BYTES and sys.stderr.isatty())
@@ -185,7 +245,7 @@ class HostMemory:
             # Submitted in chunk order: the threads fault chunk k+1 while chunk k registers.
             futures: list[list[Future]] = [
                 [pool.submit(self._prefault_piece, o, s, t.method) for o, s in self._pieces(off, size)]
-                for off, size in self.chunks]
+                if populate else [] for off, size in self.chunks]
             with tqdm(total=self.nbytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                       disable=not show, leave=False) as bar:
                 for (off, size), pending in zip(self.chunks, futures):
@@ -246,6 +306,7 @@ class HostMemory:
                 log.warning("host tier memory is still referenced at close: unmapped when the "
                             "last view of it is released")
             self._mm = None
+        self.unlink()
         if failed is not None:
             raise failed
 
@@ -257,12 +318,18 @@ class HostPool:
 
     Registration is per chunk of ``chunk_blocks`` blocks, and the CUDA driver refuses
     (cudaErrorInvalidValue) a copy whose host range spans two registrations: a copy
-    that merges neighbouring blocks must break at multiples of ``chunk_blocks``."""
+    that merges neighbouring blocks must break at multiples of ``chunk_blocks``.
+
+    ``shared_path``: keep the blocks in that shared-memory file (see the module
+    docstring) so peers on the node can map them; when it cannot be had at full size
+    the pool uses private memory and says why in ``shared_error`` (``shared_path`` is
+    then None). ``attach``: map another process's pool file instead (a peer's view)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, pin: bool, *, device: torch.device | None = None,
                  chunk_bytes: int = 1 << 30, prefault_threads: int = 0, check_memlock: bool = True,
                  huge_pages: bool = True, registrar: Registrar | None = None,
-                 limits: HostLimits | None = None, progress: bool | None = None, rank: int = 0):
+                 limits: HostLimits | None = None, progress: bool | None = None, rank: int = 0,
+                 shared_path: str | None = None, attach: bool = False):
         self.layout = layout
         self.num_blocks = num_blocks
         bpb = layout.bytes_per_block
@@ -270,10 +337,16 @@ class HostPool:
             registrar = CudaRegistrar(device if device is not None else torch.device("cuda"))
         if progress is None and rank == 0 and num_blocks * bpb > PROGRESS_MIN_BYTES:
             progress = True
-        self.memory = HostMemory(num_blocks * bpb, registrar=registrar if pin else None,
-                                 chunk_bytes=chunk_bytes, align=bpb, threads=prefault_threads,
-                                 limits=limits, check_memlock=check_memlock, huge_pages=huge_pages,
-                                 progress=progress)
+        self.shared_error: str | None = None
+        args = dict(registrar=registrar if pin else None, chunk_bytes=chunk_bytes, align=bpb,
+                    threads=prefault_threads, limits=limits, check_memlock=check_memlock,
+                    huge_pages=huge_pages, progress=progress and not attach)
+        try:
+            self.memory = HostMemory(num_blocks * bpb, shared_path=shared_path, attach=attach, **args)
+        except SharedMemoryUnavailable as e:
+            assert not attach, "attaching never reserves"
+            self.shared_error = str(e)
+            self.memory = HostMemory(num_blocks * bpb, **args)
         self.raw = self.memory.flat.view(num_blocks, bpb)
         self.chunk_blocks = self.memory.chunks[0][1] // bpb
         if self.memory.registrar is not None:
@@ -288,6 +361,11 @@ class HostPool:
     @property
     def pinned(self) -> bool:
         return self.memory.pinned
+
+    @property
+    def shared_path(self) -> str | None:
+        """The shared-memory file holding the blocks (None: private memory)."""
+        return self.memory.shared_path
 
     def check_invariants(self) -> None:
         self.memory.check_invariants()
