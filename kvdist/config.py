@@ -203,6 +203,8 @@ class WorkloadConfig(_Section):
     user_tokens: TokenRange = (16, 96)
     output_tokens: TokenRange = (8, 32)
     arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
+    think_steps: int = Field(default=0, ge=0)  # a chat's next turn comes >= this after its reply
+    routing: Literal["round_robin", "sticky", "prefix"] = "round_robin"  # requests -> replicas
     max_batch: int = Field(default=16, gt=0)  # sequences per step (prefills + decodes)
     max_prefill_tokens: int = Field(default=2048, gt=0)  # prompt tokens admitted per step
     priority: int = Field(default=35, ge=0, le=100)

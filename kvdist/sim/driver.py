@@ -33,7 +33,7 @@ from .parallel import TensorParallel
 from .placement import placements
 from .plots import write_plots
 from .report import human_bytes, new_run_dir, point_latest, render, write_results
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Running, Scheduler, StepPlan
 from .shadows import Shadows
 from .workload import Trace, generate
 
@@ -69,36 +69,69 @@ class _Clock:
     cache_api: float = 0.0
     model: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    last_update: float = 0.0  # of the progress bar's figures
 
 
 class Simulation:
-    """One rank's part of the run."""
+    """One rank's part of the run. A job of several replicas runs one per replica
+    (:mod:`kvdist.sim.replicas` overrides the ``_make_*`` hooks and the reporting)."""
 
     def __init__(self, cfg: CacheConfig, opts: RunOptions, comm=None):
         if opts.requests is not None:
             cfg = cfg.replace(workload={"requests": opts.requests})
         self.cfg, self.opts, self.comm = cfg, opts, comm
         self.w = cfg.workload
-        self.tp = TensorParallel(comm)
-        self.rank0 = self.tp.rank == 0
-        self.trace: Trace = generate(self.w)
+        self.cache: KVCache = create(cfg, comm=comm)
         try:
-            self.cache: KVCache = create(cfg, comm=comm)
+            self.trace: Trace = self._make_trace()
+            self.tp = self._make_tp()
         except BaseException:
-            self.tp.free()
+            self.cache.close(wait_for_peers=False)
             raise
+        self.rank0 = self.cache.rank == 0  # prints, reports, runs the replays
         self.shadows: Shadows | None = None
         self.server: MetricsServer | None = None
+        self.timeline: Timeline | None = None
         try:
             self._setup()
         except BaseException:
             self.close()
             raise
 
+    # -- what a replica of several changes -------------------------------------------------------
+    def _make_trace(self) -> Trace:
+        return generate(self.w)
+
+    def _make_tp(self) -> TensorParallel:
+        """The model's tensor parallelism: every rank of the job."""
+        return TensorParallel(self.comm)
+
+    def _make_scheduler(self) -> Scheduler:
+        return Scheduler(self.trace, max_batch=self.w.max_batch, max_prefill_tokens=self.w.max_prefill_tokens,
+                         gpu_blocks=self.capacity["gpu"], tokens_per_block=self.cache.layout.tokens_per_block)
+
+    def _setup_reporting(self) -> None:
+        """Rank 0's replays, timeline and metrics endpoint."""
+        if not self.rank0:
+            return
+        solo = None
+        if self.tp.mpi is not None:  # the replays are this rank's alone
+            from mpi4py import MPI
+
+            solo = MPI.COMM_SELF
+        self.shadows = Shadows(self.cfg, self.capacity["gpu"], self.w.priority, comm=solo)
+        self.timeline = Timeline({t: self.capacity[t] for t in self.cache.tiers})
+        if self.opts.metrics_port is not None:
+            self.server = MetricsServer(self.opts.metrics_port)
+
+    def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
+        if self.shadows is not None:
+            self.shadows.step([r.req for r in plan.prefills], appends, [r.req.rid for r in done])
+
     def _setup(self) -> None:
         cache, cfg = self.cache, self.cfg
-        _, self.placement = placements(cfg.cache.device, self.comm)
-        me = self.placement[self.tp.rank]
+        me_rank, self.placement = placements(cfg.cache.device, self.comm)
+        me = self.placement[me_rank]
         assert me.device == str(cache.device), f"placement {me.device} but the cache is on {cache.device}"
         # On CPU the tiny model's matmuls are too small to gain from intra-op threads, and
         # threads of ranks sharing cores spin against each other (15x slower seen).
@@ -107,31 +140,27 @@ class Simulation:
         layout = cache.layout
         self.kv_dtype = torch_dtype(layout.dtype)
         self.capacity = dict(cache.stats()["capacity_blocks"])
-        self.sched = Scheduler(self.trace, max_batch=self.w.max_batch,
-                               max_prefill_tokens=self.w.max_prefill_tokens,
-                               gpu_blocks=self.capacity["gpu"], tokens_per_block=layout.tokens_per_block)
+        self.sched = self._make_scheduler()
         self.model = TinyModel(layers=layout.num_layers, heads=layout.num_kv_heads, head_dim=layout.head_dim,
                                hidden=self.w.hidden, vocab=self.w.vocab_size, seed=self.w.seed, tp=self.tp,
                                device=cache.device, kv_dtype=self.kv_dtype,
                                tokens_per_block=layout.tokens_per_block)
-        self.ledger = BlockLedger(layout, cache.device, seed=self.w.seed)
+        # Blocks another replica computed are checked against its writes at the end.
+        self.ledger = BlockLedger(layout, cache.device, seed=self.w.seed, defer=cache.num_replicas > 1)
         self.tolerance = logits_tolerance(self.kv_dtype)
         self.checks = _Checks()
         self.clock = _Clock()
-        if self.rank0:
-            solo = None
-            if self.tp.mpi is not None:  # the replays are this rank's alone
-                from mpi4py import MPI
-
-                solo = MPI.COMM_SELF
-            self.shadows = Shadows(cfg, self.capacity["gpu"], self.w.priority, comm=solo)
-            self.timeline = Timeline({t: self.capacity[t] for t in cache.tiers})
-            if self.opts.metrics_port is not None:
-                self.server = MetricsServer(self.opts.metrics_port)
+        self._setup_reporting()
 
     # -- one step --------------------------------------------------------------------------------
     def _step(self, plan: StepPlan) -> list[int]:
         cache, w = self.cache, self.w
+        if not plan.batch:  # every runnable request waits for its prefetch: let the cache work
+            cache.begin_step()
+            cache.end_step()
+            self.sched.complete(plan)
+            os.sched_yield()  # ranks outnumber cores: the holders need the core more
+            return []
         t0 = time.perf_counter()
         cache.begin_step()
         reused = []
@@ -155,8 +184,7 @@ class Simulation:
         t3 = time.perf_counter()
         self.clock.cache_api += (t1 - t0) + (t3 - t2)
         self.clock.model += t2 - t1
-        if self.shadows is not None:
-            self.shadows.step([r.req for r in plan.prefills], appends, [r.req.rid for r in done])
+        self._after_step(plan, appends, done)
         every = w.check_consistency_every
         if every and self.sched.step % every == 0:
             self._check_consistency()
@@ -240,9 +268,8 @@ class Simulation:
         if self.rank0:
             print(self._header(), flush=True)
         bar = tqdm(total=len(self.trace.requests), disable=not (self.rank0 and self.opts.progress),
-                   unit="req", desc="kvdist run", dynamic_ncols=True, file=sys.stderr,
+                   unit="req", desc=self._progress_label(), dynamic_ncols=True, file=sys.stderr,
                    mininterval=0.2 if sys.stderr.isatty() else 5.0)
-        last_update = 0.0
         try:
             while not self.sched.done():
                 plan = self.sched.next_step()
@@ -251,43 +278,52 @@ class Simulation:
                 except ConsistencyError as e:  # every rank learns it at the same collective
                     self.checks.consistency_error = f"step {plan.step}: {e}"
                     break
-                if not self.rank0:
-                    continue
-                stats = self.cache.stats()
-                self.timeline.record(stats, self.shadows.reused()["gpu-only"], self.sched.finished)
-                bar.update(len(done))
-                now = time.perf_counter()
-                if now - last_update > 0.5:
-                    last_update = now
-                    prompt = max(stats["prompt_tokens"], 1)
-                    bar.set_postfix_str(f"reuse {100 * sum(stats['hit_tokens'].values()) / prompt:.0f}%, "
-                                        f"step {self.sched.step}", refresh=False)
-                    if self.server is not None:
-                        self.server.update(snapshot_from(stats, self.sched.finished,
-                                                         self.ledger.mismatched_blocks))
+                if self.rank0:
+                    self._progress(bar, done)
         finally:
             bar.close()
         self.cache.synchronize()
         return self._results()
 
+    def _progress_label(self) -> str:
+        return "kvdist run"
+
+    def _progress(self, bar: tqdm, done: list[int]) -> None:
+        """Rank 0 after every step: the timeline, the progress bar, the metrics."""
+        stats = self.cache.stats()
+        if self.timeline is not None:
+            self.timeline.record(stats, self.shadows.reused()["gpu-only"], self.sched.finished)
+        bar.update(len(done))
+        now = time.perf_counter()
+        if now - self.clock.last_update > 0.5:
+            self.clock.last_update = now
+            prompt = max(stats["prompt_tokens"], 1)
+            bar.set_postfix_str(f"reuse {100 * sum(stats['hit_tokens'].values()) / prompt:.0f}%, "
+                                f"step {self.sched.step}", refresh=False)
+            if self.server is not None:
+                self.server.update(snapshot_from(stats, self.sched.finished, self.ledger.mismatched_blocks))
+
     # -- reporting -------------------------------------------------------------------------------
-    def _header(self) -> str:
+    def _header(self, trace: Trace | None = None) -> str:
+        """What runs where, the cache and the trace (``trace``: the job's, when this
+        rank's scheduler serves only a share of it)."""
         cache, w, lay = self.cache, self.w, self.cache.layout
+        trace = self.trace if trace is None else trace
         bpb = lay.bytes_per_block
         nodes = len({p.node for p in self.placement})
         where = " ".join(f"{p.rank}->{p.device}" for p in self.placement)
         tiers = ", ".join(f"{t} {self.capacity[t]:,} blocks ({human_bytes(self.capacity[t] * bpb)})"
-                          for t in cache.tiers)
-        ws = self.trace.distinct_blocks(lay.tokens_per_block)
+                          for t in cache.tiers if t in self.capacity)
+        ws = trace.distinct_blocks(lay.tokens_per_block)
         self.working_set = ws
         heads = lay.num_kv_heads
         return "\n".join([
-            f"kvdist run: {self.tp.size} ranks on {nodes} node(s), rank->device {where}",
+            f"kvdist run: {cache.world_size} ranks on {nodes} node(s), rank->device {where}",
             f"  cache per rank: {tiers}; block = {lay.tokens_per_block} tokens x {lay.num_layers} layers x "
             f"{heads} heads x {lay.head_dim} dims {lay.dtype} = {human_bytes(bpb)}",
-            f"  trace: {len(self.trace.requests):,} requests, {w.conversations} live chats of "
+            f"  trace: {len(trace.requests):,} requests, {w.conversations} live chats of "
             f"{w.turns[0]}-{w.turns[1]} turns over {w.system_prompts} system prompts of "
-            f"{w.system_prompt_tokens} tokens; {self.trace.prompt_tokens:,} prompt tokens; working set "
+            f"{w.system_prompt_tokens} tokens; {trace.prompt_tokens:,} prompt tokens; working set "
             f"{ws:,} blocks = {ws / self.capacity['gpu']:.1f}x the GPU tier",
             f"  model: {lay.num_layers} layers, {heads * self.tp.size} heads ({heads} per rank) x "
             f"{lay.head_dim}, hidden {w.hidden}, vocab {w.vocab_size}; float32 compute on {cache.device}",
@@ -410,6 +446,10 @@ class Simulation:
 
 def run(cfg: CacheConfig, opts: RunOptions | None = None, comm=None) -> dict:
     """The whole job on every rank of ``comm`` (collective); returns the results."""
+    if cfg.distributed.tp_size:
+        from .replicas import run_replicas  # it builds on this module
+
+        return run_replicas(cfg, opts or RunOptions(), comm)
     sim = Simulation(cfg, opts or RunOptions(), comm)
     try:
         return sim.run()

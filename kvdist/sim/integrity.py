@@ -10,7 +10,12 @@ digest, and a different block collides with probability about 2**-63.
 The same prefix can legitimately be computed more than once (two requests in one
 step, or again after the cache dropped it), and float32 results may differ in the
 last bit with the batch shape, so a prefix keeps every digest written for it; a
-reused block must match one of them."""
+reused block must match one of them.
+
+A replica of several also reuses blocks that another replica computed (the remote
+tier): their references are in that replica's ledger. ``defer=True`` keeps a block
+that matches none of this ledger's references for :meth:`settle`, which checks it at
+the end of the run against every replica's references of the same TP rank."""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ class _SeqKeys:
 class BlockLedger:
     """Reference digests by prefix key; per-sequence keys and partial-block K/V."""
 
-    def __init__(self, layout: KVLayout, device: torch.device, seed: int = 0):
+    def __init__(self, layout: KVLayout, device: torch.device, seed: int = 0, defer: bool = False):
         self.tpb = layout.tokens_per_block
         nbytes = layout.bytes_per_block
         self._word = torch.int32 if nbytes % 4 == 0 else torch.uint8
@@ -52,6 +57,9 @@ class BlockLedger:
         self.unknown_blocks = 0  # reused blocks that were never written (also mismatches)
         self.variants = 0  # prefixes written with more than one distinct digest
         self.first_mismatch: str | None = None
+        self.defer = defer
+        self.deferred: dict[bytes, set[int]] = {}  # prefix key -> digests read back, unmatched here
+        self.deferred_where: dict[bytes, str] = {}  # prefix key -> where it was first read
 
     # -- digests ------------------------------------------------------------------------------------
     def digest(self, blocks: torch.Tensor) -> list[int]:
@@ -84,16 +92,37 @@ class BlockLedger:
         sk = self.seqs[seq_id]
         bad = 0
         for i, d in enumerate(digests):
-            known = self.ref.get(sk.keys[i])
-            if known is None or d not in known:
-                bad += 1
-                self.unknown_blocks += known is None
-                if self.first_mismatch is None:
-                    why = "never written" if known is None else "bytes differ from every write"
-                    self.first_mismatch = f"sequence {seq_id!r} block {i}: {why}"
+            key = sk.keys[i]
+            known = self.ref.get(key)
+            if known is not None and d in known:
+                continue
+            if self.defer:
+                self.deferred.setdefault(key, set()).add(d)
+                self.deferred_where.setdefault(key, f"sequence {seq_id!r} block {i}")
+                continue
+            bad += 1
+            self._mismatch(f"sequence {seq_id!r} block {i}", known is not None)
         self.checked_blocks += len(digests)
         self.mismatched_blocks += bad
         return bad
+
+    def _mismatch(self, where: str, known: bool) -> None:
+        self.unknown_blocks += not known
+        if self.first_mismatch is None:
+            why = "bytes differ from every write" if known else "never written"
+            self.first_mismatch = f"{where}: {why}"
+
+    def settle(self, refs: list[dict[bytes, tuple[int, ...]]]) -> int:
+        """Check the deferred blocks against ``refs`` (the references of the other
+        replicas' ranks with this rank's TP index) and this ledger's own; returns, and
+        counts as mismatched, the blocks read back with bytes no replica wrote."""
+        bad = unmatched(self.deferred, [self.ref, *refs])
+        for key in bad:
+            self._mismatch(self.deferred_where[key] + " (reused from another replica)",
+                           any(key in r for r in (self.ref, *refs)))
+        self.deferred.clear()
+        self.mismatched_blocks += len(bad)
+        return len(bad)
 
     def written(self, seq_id: Hashable, start: int, kv: torch.Tensor,
                 appended: np.ndarray | None = None) -> None:
@@ -123,3 +152,15 @@ class BlockLedger:
 
     def release(self, seq_id: Hashable) -> None:
         del self.seqs[seq_id]
+
+
+def unmatched(deferred: dict[bytes, set[int]], refs: list[dict[bytes, tuple[int, ...]]]) -> list[bytes]:
+    """Keys of ``deferred`` blocks with a digest that no ledger of ``refs`` recorded."""
+    bad = []
+    for key, digests in deferred.items():
+        known: set[int] = set()
+        for r in refs:
+            known.update(r.get(key, ()))
+        if digests - known:
+            bad.append(key)
+    return bad

@@ -43,18 +43,38 @@ class TensorParallel:
             t.copy_(host)
         return t
 
-    def agree(self, values: list[int]) -> bool:
-        """True when every rank passed the same ``values`` (one small MIN/MAX allreduce)."""
+    def allreduce_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of every rank's ``values`` (MAX: negate in and out)."""
         if self.mpi is None:
-            return True
+            return list(values)
         a = np.asarray(values, dtype=np.int64)
-        both = np.concatenate([a, -a])
-        self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, both, op=self._c.MPI.MAX))
-        return bool(np.array_equal(both[: len(a)], -both[len(a):]))
+        self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, a, op=self._c.MPI.MIN))
+        return a.tolist()
+
+    def agree(self, values: list[int]) -> bool:
+        """True when every rank passed the same ``values`` (one small allreduce: the
+        minimum equals the maximum)."""
+        both = self.allreduce_min([*values, *(-v for v in values)])
+        return both[: len(values)] == [-v for v in both[len(values):]]
+
+    def barrier(self) -> None:
+        """Wait for every rank, yielding the core (early ranks must not spin)."""
+        if self.mpi is not None:
+            self._wait(self.mpi.Ibarrier())
 
     def gather(self, obj: object) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
+        if self.mpi is None:
+            return [obj]
+        self.barrier()
+        return self.mpi.gather(obj, root=0)
+
+    def allgather(self, obj: object) -> list:
+        """Every rank's ``obj`` on every rank."""
+        if self.mpi is None:
+            return [obj]
+        self.barrier()
+        return self.mpi.allgather(obj)
 
     def bcast(self, obj: object) -> object:
         return obj if self.mpi is None else self.mpi.bcast(obj, root=0)

@@ -73,19 +73,25 @@ def render(r: dict) -> str:
                f"{r['cache_api_us_per_step']:.0f} µs (of which waiting for disk work "
                f"{r.get('host_wait_us_per_step', 0.0):.0f} µs), model {r['model_ms_per_step']:.1f} ms")
     i = r["integrity"]
-    verdict = "OK" if r["integrity_mismatches"] == 0 else "MISMATCH"
     out.append("")
-    out.append(f"integrity {verdict}: {i['blocks_checked']:,} reused blocks ({i['tokens_checked']:,} tokens) "
-               f"checked on {r['world_size']} ranks, {r['integrity_mismatches']} mismatched"
-               + (f" (first: {i['first_mismatch']})" if i["first_mismatch"] else ""))
-    if i["logits_checked"]:
-        out.append(f"logits: {i['logits_checked']} requests with reuse vs a from-scratch recompute, "
-                   f"max |diff| {i['logits_max_abs_diff']:.2e} (tolerance {i['logits_tolerance']:.0e} "
-                   f"× max(1, |logit|)), {i['logits_failed']} outside")
+    out.extend(check_lines(i, f"on {r['world_size']} ranks"))
     cons = i["consistency"]
     out.append(f"consistency: {cons['checks']} checks, "
                + ("ranks identical" if cons["error"] is None else f"FAILED: {cons['error']}"))
     return "\n".join(out)
+
+
+def check_lines(i: dict, where: str) -> list[str]:
+    """The integrity and logits lines of a report (``i``: the results' ``integrity``)."""
+    verdict = "OK" if i["mismatched_blocks"] == 0 else "MISMATCH"
+    out = [f"integrity {verdict}: {i['blocks_checked']:,} reused blocks ({i['tokens_checked']:,} tokens) "
+           f"checked {where}, {i['mismatched_blocks']} mismatched"
+           + (f" (first: {i['first_mismatch']})" if i["first_mismatch"] else "")]
+    if i["logits_checked"]:
+        out.append(f"logits: {i['logits_checked']} requests with reuse vs a from-scratch recompute, "
+                   f"max |diff| {i['logits_max_abs_diff']:.2e} (tolerance {i['logits_tolerance']:.0e} "
+                   f"× max(1, |logit|)), {i['logits_failed']} outside")
+    return out
 
 
 def new_run_dir(out: str | os.PathLike) -> Path:

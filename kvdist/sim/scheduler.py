@@ -4,12 +4,18 @@ next to the running ones (one decode token each).
 The scheduler is a pure function of the trace and its limits, so every rank (SPMD)
 and every bookkeeping replay sees the same steps. Admission reserves each request's
 worst-case GPU blocks as if nothing were reused: a step can never run out of GPU
-blocks, whatever the cache reuses, and the trace is the same with reuse switched off."""
+blocks, whatever the cache reuses, and the trace is the same with reuse switched off.
+
+Serving one replica of several, the trace is the replica's share: a chat's previous
+turn served elsewhere does not hold its next turn back (the trace's ``think_steps``
+keep turns apart), and an optional :class:`AdmissionGate` holds back requests whose
+prefetch has not landed — a decision the gate agrees on inside the TP group."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..errors import ConfigError
 from .workload import Request, Trace
@@ -25,6 +31,7 @@ class Running:
 @dataclass(slots=True)
 class StepPlan:
     step: int
+    clock: int  # the trace's time of the step (arrivals up to it are visible)
     prefills: list[Running] = field(default_factory=list)
     decodes: list[Running] = field(default_factory=list)  # each appends output[generated - 1]
 
@@ -33,24 +40,33 @@ class StepPlan:
         return self.prefills + self.decodes
 
 
+class AdmissionGate(Protocol):
+    def ready(self, eligible: list[Request]) -> set[int]:
+        """Ids of the ``eligible`` requests (arrived, previous turn done) that may be
+        admitted this step; identical on every rank of the TP group (collective)."""
+        ...
+
+
 class Scheduler:
     """FIFO admission under three limits: ``max_batch`` sequences, ``max_prefill_tokens``
     prompt tokens per step (a longer prompt runs alone), and the GPU tier's blocks."""
 
     def __init__(self, trace: Trace, *, max_batch: int, max_prefill_tokens: int,
-                 gpu_blocks: int, tokens_per_block: int):
+                 gpu_blocks: int, tokens_per_block: int, gate: AdmissionGate | None = None):
         self.tpb = tokens_per_block
+        self.gate = gate
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.gpu_blocks = gpu_blocks
-        worst = max(trace.requests, key=lambda r: r.blocks_needed(tokens_per_block))
-        if worst.blocks_needed(tokens_per_block) > gpu_blocks:
+        worst = max(trace.requests, key=lambda r: r.blocks_needed(tokens_per_block), default=None)
+        if worst is not None and worst.blocks_needed(tokens_per_block) > gpu_blocks:
             raise ConfigError("cache.gpu", f"{gpu_blocks} blocks",
                               f"request {worst.rid} needs {worst.blocks_needed(tokens_per_block)} "
                               "blocks; enlarge the GPU tier or shorten workload.turns/user_tokens")
         self._pending: deque[Request] = deque(trace.requests)  # in arrival order
         self._waiting: list[Request] = []  # arrived, not admitted
         self._finished: set[int] = set()
+        self._mine = {r.rid for r in trace.requests}
         self.running: list[Running] = []
         self.reserved = 0
         self.step = 0
@@ -65,18 +81,22 @@ class Scheduler:
         return len(self._finished)
 
     def next_step(self) -> StepPlan:
-        """The next step's batch. Idle time (nothing running, nothing arrived) is skipped."""
+        """The next step's batch. Idle time (nothing running, nothing arrived) is skipped.
+        With a gate the batch may be empty: a step that only waits for prefetches."""
         assert not self.done(), "every request has finished"
         if not self.running and not self._waiting:
             self.clock = max(self.clock, self._pending[0].arrival)
         while self._pending and self._pending[0].arrival <= self.clock:
             self._waiting.append(self._pending.popleft())
-        plan = StepPlan(self.step, decodes=list(self.running))
+        plan = StepPlan(self.step, self.clock, decodes=list(self.running))
         prefill_tokens = 0
         admitted: list[Request] = []
-        for req in self._waiting:
-            if req.after >= 0 and req.after not in self._finished:
-                continue  # the chat's previous turn is still running
+        # A chat's previous turn still running here holds its next turn back.
+        eligible = [r for r in self._waiting if r.after not in self._mine or r.after in self._finished]
+        allowed = None if self.gate is None else self.gate.ready(eligible)
+        for req in eligible:
+            if allowed is not None and req.rid not in allowed:
+                continue  # its prefetch is still landing
             need = req.blocks_needed(self.tpb)
             if (len(self.running) + len(plan.prefills) >= self.max_batch
                     or self.reserved + need > self.gpu_blocks
@@ -91,7 +111,7 @@ class Scheduler:
             ids = {r.rid for r in admitted}
             self._waiting = [r for r in self._waiting if r.rid not in ids]
         self.running.extend(plan.prefills)
-        assert plan.batch, "a step with nothing to do"
+        assert plan.batch or eligible, "a step with nothing to do"  # empty: held by the gate
         return plan
 
     def complete(self, plan: StepPlan) -> list[Running]:

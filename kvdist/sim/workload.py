@@ -46,16 +46,27 @@ class Trace:
     def distinct_blocks(self, tokens_per_block: int) -> int:
         """Distinct full KV blocks the trace writes (prompts and decoded tokens): the
         working set a cache would need to reuse everything reusable."""
-        seen: set[int] = set()
-        tpb = tokens_per_block
+        seen: set[bytes] = set()
         for r in self.requests:
-            toks = np.concatenate([r.prompt, r.output[:-1]]).astype(np.int32)
-            parent = b""
-            for i in range(len(toks) // tpb):
-                h = xxhash.xxh3_128_digest(parent + toks[i * tpb:(i + 1) * tpb].tobytes())
-                seen.add(int.from_bytes(h, "little"))
-                parent = h
+            seen.update(block_keys(np.concatenate([r.prompt, r.output[:-1]]), tokens_per_block))
         return len(seen)
+
+    def subset(self, rids: set[int]) -> Trace:
+        """The requests whose ids are in ``rids`` (a replica's share), in arrival order."""
+        return Trace([r for r in self.requests if r.rid in rids], self.system_prompts)
+
+
+def block_keys(tokens: np.ndarray, tokens_per_block: int) -> list[bytes]:
+    """The prefix key of every full block of ``tokens``: a chain of xxh3-128 over the
+    block's int32 tokens and its parent's key (a block is known by its whole prefix)."""
+    toks = np.asarray(tokens, dtype=np.int32)
+    tpb = tokens_per_block
+    keys: list[bytes] = []
+    parent = b""
+    for i in range(len(toks) // tpb):
+        parent = xxhash.xxh3_128_digest(parent + toks[i * tpb:(i + 1) * tpb].tobytes())
+        keys.append(parent)
+    return keys
 
 
 @dataclass(slots=True)
@@ -64,6 +75,7 @@ class _Chat:
     history: np.ndarray
     turns_left: int
     last_rid: int = -1
+    ready_at: int = 0  # first step its next turn may arrive (workload.think_steps)
 
 
 def generate(w: WorkloadConfig) -> Trace:
@@ -94,7 +106,11 @@ def generate(w: WorkloadConfig) -> Trace:
             step += 1
             due = int(rng.poisson(w.arrival_rate))
         due -= 1
-        k = int(rng.integers(len(live)))
+        ready = [i for i, c in enumerate(live) if c.ready_at <= step]
+        while not ready:  # every live chat is reading its last reply: the arrival waits
+            step += 1
+            ready = [i for i, c in enumerate(live) if c.ready_at <= step]
+        k = ready[int(rng.integers(len(ready)))]
         chat = live[k]
         prompt = np.concatenate([chat.history, tokens(w.user_tokens)])
         output = tokens(w.output_tokens)
@@ -103,6 +119,8 @@ def generate(w: WorkloadConfig) -> Trace:
         chat.history = np.concatenate([prompt, output])
         chat.last_rid = rid
         chat.turns_left -= 1
+        if w.think_steps:  # the reply takes len(output) steps at best, then the user thinks
+            chat.ready_at = step + len(output) + w.think_steps
         if chat.turns_left == 0:
             live[k] = new_chat()
     return Trace(requests, systems)

@@ -28,6 +28,27 @@ def shared_dir(tmp_path_factory, name: str) -> str:
     return world.bcast(str(tmp_path_factory.mktemp(name)) if world.rank == 0 else None)
 
 
+def misreport_reuse_on(rank: int, monkeypatch) -> None:
+    """Rule off: on ``rank`` the caches the main job creates report one block more for
+    every reused prefix (as a diverged cache would)."""
+    from mpi4py import MPI
+
+    real_create = kvdist.sim.driver.create
+
+    def lying_create(cfg, comm=None):
+        cache = real_create(cfg, comm)
+        add = cache.add_sequence
+
+        def add_sequence(seq_id, tokens, priority=35):
+            n = add(seq_id, tokens, priority)
+            return n + 4 if n and MPI.COMM_WORLD.rank == rank else n
+
+        cache.add_sequence = add_sequence
+        return cache
+
+    monkeypatch.setattr(kvdist.sim.driver, "create", lying_create)
+
+
 def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory):
     from mpi4py import MPI
 
@@ -105,20 +126,7 @@ def test_ranks_that_reuse_differently_stop_together(tmp_path_factory, monkeypatc
     if world.size == 1:
         pytest.skip("needs two ranks to diverge")
     base = Path(shared_dir(tmp_path_factory, "diverge"))
-    real_create = kvdist.sim.driver.create
-
-    def lying_create(cfg, comm=None):
-        cache = real_create(cfg, comm)
-        add = cache.add_sequence
-
-        def add_sequence(seq_id, tokens, priority=35):
-            n = add(seq_id, tokens, priority)
-            return n + 4 if n and world.rank == world.size - 1 else n
-
-        cache.add_sequence = add_sequence
-        return cache
-
-    monkeypatch.setattr(kvdist.sim.driver, "create", lying_create)
+    misreport_reuse_on(world.size - 1, monkeypatch)
     cfg = kvdist.load_config(make_cfg(
         model={"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}},

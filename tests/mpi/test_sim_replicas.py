@@ -1,0 +1,86 @@
+"""The main job as two replicas (seconds): isolated and sharing side by side on one
+trace, the one-cache ceiling, zero mismatches (blocks from the other replica checked
+against its writes), TP ranks identical inside each replica, results.json; and a TP
+rank that diverges stops its replica and fails the run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvdist
+from kvdist.sim.driver import RunOptions, run
+from kvdist.sim.report import REQUIRED_KEYS
+from tests.conftest import make_cfg
+from tests.mpi.test_sim import misreport_reuse_on, shared_dir
+
+pytestmark = pytest.mark.mpi
+
+
+def replicas_cfg(world_size: int, **workload):
+    """Two replicas of ``world_size / 2`` ranks; round-robin routing of chats that think
+    between turns, so a turn usually lands on the replica that did not serve the last."""
+    return kvdist.load_config(make_cfg(
+        model={"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"},
+        cache={"device": "cpu", "gpu": {"blocks": 40}, "host": {"bytes": 256 * 1024}},
+        distributed={"tp_size": world_size // 2, "remote": {"enabled": True, "fetch_timeout_ms": 2000}},
+        workload={"requests": 70, "seed": 2, "system_prompts": 4, "system_prompt_tokens": 16,
+                  "conversations": 8, "turns": [3, 6], "user_tokens": [3, 10], "output_tokens": [2, 6],
+                  "think_steps": 12, "arrival_rate": 1.0, "max_batch": 6, "max_prefill_tokens": 200,
+                  "vocab_size": 97, "hidden": 16, "verify_logits_every": 3, "check_consistency_every": 10,
+                  "routing": "round_robin", **workload}))
+
+
+def two_replicas():
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.size < 2 or world.size % 2:
+        pytest.skip("two replicas need an even number of ranks")
+    return world
+
+
+def test_sharing_replicas_reuse_what_isolated_ones_recompute(tmp_path_factory):
+    world = two_replicas()
+    base = Path(shared_dir(tmp_path_factory, "replicas"))
+    r = run(replicas_cfg(world.size), RunOptions(out=str(base / "runs"), progress=False))
+    assert r["ok"], (r["integrity"], r["runs"]["sharing"]["replicas"])
+    assert (r["replicas"], r["tp_size"], r["world_size"]) == (2, world.size // 2, world.size)
+    iso, share = r["runs"]["isolated"], r["runs"]["sharing"]
+    computed = r["prefill_tokens_computed"]
+    assert computed["no reuse"] == r["prompt_tokens"]
+    assert computed["isolated"] == r["prompt_tokens"] - sum(iso["reused_tokens"].values())
+    assert r["gap"]["tokens"] == computed["isolated"] - computed["one cache (ceiling)"] > 0
+    assert "remote" not in iso["reused_tokens"] and iso["bytes_fetched_remote"] == 0
+    assert r["turns"]["sent_away"] > r["turns"]["follow_ups"] // 3
+    for name, summary in r["runs"].items():
+        assert summary["requests"] == 70, name
+        for row in summary["replicas"]:
+            assert row["tp_identical"] and row["requests"] == row["requests_routed"] > 0, (name, row)
+    i = r["integrity"]
+    assert r["integrity_mismatches"] == 0 and i["unknown_blocks"] == 0
+    assert i["blocks_checked"] == world.size // 2 * sum(
+        sum(run["reused_tokens"].values()) for run in r["runs"].values()) // 4
+    assert i["logits_checked"] > 3 and i["logits_failed"] == 0 and i["consistency_error"] is None
+    assert world.allgather(json.dumps(r, sort_keys=True)) == [json.dumps(r, sort_keys=True)] * world.size
+    if world.rank == 0:
+        saved = json.loads((base / "runs" / "latest" / "results.json").read_text())
+        assert all(k in saved for k in REQUIRED_KEYS)
+        assert saved["gap"] == r["gap"]
+        assert saved["runs"]["sharing"]["replicas"][1] == share["replicas"][1]
+
+
+def test_a_diverging_tp_rank_stops_its_replica_only(monkeypatch):
+    """Rule off: the last rank's cache reports one block more for a reused prefix (a
+    diverged TP rank). Its replica stops at that step; the other one serves all of its
+    requests; the run fails and says which step."""
+    world = two_replicas()
+    if world.size < 4:
+        pytest.skip("needs TP groups of two ranks to diverge")
+    misreport_reuse_on(world.size - 1, monkeypatch)
+    r = run(replicas_cfg(world.size, requests=40), RunOptions(out=None, progress=False))
+    assert not r["ok"]
+    iso = r["runs"]["isolated"]["replicas"]
+    assert iso[0]["requests"] == iso[0]["requests_routed"] and iso[0]["consistency"][1] is None
+    assert iso[1]["requests"] < iso[1]["requests_routed"]
+    assert iso[1]["consistency"][1].startswith(f"step {iso[1]['steps']}: ranks reused different prefixes")
