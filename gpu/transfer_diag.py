@@ -21,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import kvdist
 from kvdist.bench.transfer import MODEL, SIZES, Timer
+from kvdist.testing import Seams, create
+from kvdist.transfer import OFFLOAD, ONBOARD
 
 
 def main() -> None:
@@ -31,19 +32,20 @@ def main() -> None:
     seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 0.5
     bpb, n = SIZES[label], 2048
     tpb = bpb // (2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * MODEL["head_dim"] * 2)
-    cache = kvdist.create({"model": MODEL, "cache": {
+    seams = Seams()
+    cache = create({"model": MODEL, "cache": {
         "tokens_per_block": tpb, "device": "cuda", "gpu": {"blocks": 2 * n},
-        "host": {"bytes": 2 * n * bpb}, "enable_reuse": False}})
-    ex, engine = cache._local.executor, cache.manager.engine
+        "host": {"bytes": 2 * n * bpb}, "enable_reuse": False}}, seams)
+    ex, engine = seams.executor, seams.engine
     cp = ex.copier
-    g, h = cache._local.gpu.raw, cache._local.host.raw
-    ck = cache._local.host.chunk_blocks
+    g, h = seams.gpu.raw, seams.host.raw
+    ck = seams.host.chunk_blocks
     rng = np.random.default_rng(0)
     gp, hp = rng.permutation(2 * n), rng.permutation(2 * n)
     G = int(engine.space.base[1])
     ga, gb, ha, hb = gp[:n], gp[n:], hp[:n], hp[n:]
-    off_moves = (ga.tolist(), (G + ha).tolist())
-    on_moves = ((G + hb).tolist(), gb.tolist())
+    off_moves = (OFFLOAD, ga.tolist(), (G + ha).tolist())
+    on_moves = (ONBOARD, (G + hb).tolist(), gb.tolist())
     off, on = ex.streams["offload"], ex.streams["onboard"]
     nbytes = n * bpb
 

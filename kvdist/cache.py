@@ -1,15 +1,16 @@
 """The public façade: ``kvdist.create`` runs the start-up protocol over the library's
 communicator and returns a :class:`KVCache`, the per-rank cache an engine drives
-step by step (DESIGN §2)."""
+step by step (docs/design.md, "Public API")."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from .blocks import TIER_NAMES
-from .candidate import LocalBuilder, LocalCache
+from .candidate import CandidateBuilder, RankCache
 from .config import CacheConfig, load_config
 from .distributed import comm as dist_comm
 from .distributed.consensus import Committed, InitStatus, InitTiming, establish, outliers
@@ -17,6 +18,10 @@ from .distributed.replicas import ReplicaComms, ReplicaLayout
 from .errors import CacheClosedError, ConsistencyError, StepOrderError
 from .eviction import DEFAULT_PRIORITY
 from .layout import KVLayout
+from .seams import Seams
+from .transfer import SimulatedCompute
+
+__all__ = ["KVCache", "create"]
 
 _CLOSED_MESSAGE = "the cache is closed: close() freed its tiers; create a new one"
 
@@ -41,9 +46,13 @@ class KVCache:
     StepOrderError (nothing changed). ``release``, ``stats`` and the checks work at any
     time. After ``close()`` every call but ``close()`` raises CacheClosedError."""
 
-    def __init__(self, local: LocalCache, comm, status: InitStatus, init: Committed | None = None,
+    __slots__ = ("_check_every", "_closed", "_comm", "_in_step", "_init", "_manager", "_parts",
+                 "_replicas", "_stager", "config", "device", "init_status", "num_replicas", "rank",
+                 "replica", "tiers", "tp_rank", "tp_size", "world_size")
+
+    def __init__(self, parts: RankCache, comm, status: InitStatus, init: Committed | None = None,
                  replicas: ReplicaComms | None = None):
-        self._local = local
+        self._parts = parts
         self._init = init
         self._comm = comm
         if replicas is None:
@@ -54,15 +63,15 @@ class KVCache:
         self.num_replicas: int = where.num_replicas
         self.tp_rank: int = where.tp_rank  # this rank's place in its replica's TP group
         self.tp_size: int = where.tp_size
-        self.manager = local.manager
-        self.stager = local.stager
+        self._manager = parts.manager
+        self._stager = parts.stager
         self.rank: int = comm.rank
         self.world_size: int = comm.size
         self.init_status: InitStatus = status
-        self.device: torch.device = local.device
-        self.tiers: tuple[str, ...] = local.tiers
-        self.config: CacheConfig = local.cfg
-        self._check_every = local.cfg.distributed.check_consistency_every
+        self.device: torch.device = parts.device
+        self.tiers: tuple[str, ...] = parts.tiers
+        self.config: CacheConfig = parts.cfg
+        self._check_every = parts.cfg.distributed.check_consistency_every
         self._closed = False
         self._in_step = False
 
@@ -94,15 +103,21 @@ class KVCache:
                             f"{seq_ids!r} (wrap one id in a list)")
         # Gathered straight into a staging slot, copied from there (S3): later host
         # writes to the scheduler's rows or to the next step's table cannot reach it.
-        stager = self.stager
+        stager = self._stager
         table = stager.upload_buffer(manager.table_rows(list(seq_ids), stager.host_buffer))
         manager.before_compute()
         return table
 
+    def stage(self, array: np.ndarray, stream=None) -> torch.Tensor:
+        """A device copy of ``array`` (gather indices, scratch metadata) that later host
+        writes cannot corrupt (S3): the caller may rewrite ``array`` at once. Valid on
+        ``stream`` (the current stream by default) once the queued copy has run there."""
+        return self._stager.stage(array, stream)
+
     def kv_pool(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks, 2, tokens_per_block, kv_heads, head_dim]``: K at index 0 of
         dim 1, V at index 1."""
-        return self._local.gpu.kv_pool(layer)
+        return self._parts.gpu.kv_pool(layer)
 
     def end_step(self) -> None:
         """Blocks filled in this step become reusable."""
@@ -111,13 +126,13 @@ class KVCache:
             raise StepOrderError("end_step without begin_step")
         self._in_step = False
         manager.end_step()
-        if self._check_every and self.manager.counters.steps % self._check_every == 0:
+        if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
 
     def _live(self):
         if self._closed:
             raise CacheClosedError(_CLOSED_MESSAGE)
-        return self.manager
+        return self._manager
 
     def _scheduling(self, call: str):
         manager = self._live()
@@ -128,7 +143,7 @@ class KVCache:
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence is finished; its full blocks stay cached."""
-        self.manager.release(seq_id)
+        self._manager.release(seq_id)
 
     def prefetch(self, seq_id: Hashable, tokens: Iterable[int]) -> int:
         """Start pulling the blocks of a request that only other replicas hold (the
@@ -149,22 +164,32 @@ class KVCache:
 
     def synchronize(self) -> None:
         """Block the host until every queued tier copy has run."""
-        self.manager.synchronize()
+        self._manager.synchronize()
 
     # -- observability -------------------------------------------------------------------------
     @property
     def layout(self) -> KVLayout:
-        return self._local.layout
+        return self._parts.layout
+
+    @property
+    def simulated_compute(self) -> SimulatedCompute | None:
+        """With simulated streams (``cache.simulate_async`` on CPU), the compute stream:
+        queue the forward pass on it (``kernel``) so it runs behind the block table's
+        copy, and ``force`` it. None on CUDA and on a plain CPU cache, where the forward
+        pass simply runs."""
+        return self._parts.backend.executor.simulated_compute
 
     def stats(self) -> dict:
-        """Counters of DESIGN §6 plus per-direction block counts and timings."""
-        m = self.manager
+        """The counters of docs/design.md ("Observability") plus per-route block counts,
+        timings and the copy executor's own figures (``transfer``)."""
+        m = self._manager
         c = m.counters
         bpb = self.layout.bytes_per_block
         usage = m.usage()
         moved = c.blocks_moved
         engine = m.engine
-        waits = getattr(engine.executor, "counters", None)
+        executor = engine.executor
+        waits = executor.counters
         return {
             "tiers": list(self.tiers),
             "init_status": self.init_status.name,
@@ -186,13 +211,14 @@ class KVCache:
             "dropped": c.dropped,
             "transfer_seconds": m.transfer_seconds,
             "bookkeeping_seconds": m.bookkeeping_seconds,
-            "transfer_path": getattr(engine.executor, "path", "unknown"),
+            "transfer_path": executor.path,
             "transfer_batches": engine.stats.batches,
+            "transfer": executor.stats(),
             # The host blocked on unfinished disk work (a fetch's read, or an offload into
             # a host slot a demotion is still reading): CUDA executor only.
-            "host_waits_on_disk": getattr(waits, "host_waits", 0),
-            "host_wait_seconds": getattr(waits, "host_wait_seconds", 0.0),
-            "staging": self.stager.stats(),
+            "host_waits_on_disk": waits.host_waits,
+            "host_wait_seconds": waits.host_wait_seconds,
+            "staging": self._stager.stats(),
             "sequences": len(m.seqs),
             "steps": c.steps,
             "block_bytes": bpb,
@@ -208,9 +234,9 @@ class KVCache:
         }
 
     def check_invariants(self) -> None:
-        self.manager.check_invariants()
-        self.manager.host_table.check_invariants()
-        self.stager.check_invariants()
+        self._manager.check_invariants()
+        self._manager.host_table.check_invariants()
+        self._stager.check_invariants()
 
     def check_consistency(self) -> None:
         """Collective over this rank's replica (its TP group; the whole job when there is
@@ -221,16 +247,21 @@ class KVCache:
         and are not compared. Runs by itself every ``distributed.check_consistency_every``
         end_steps when that is set."""
         tp = self._replicas.tp
-        digests = tp.allgather(self.manager.state_digest(), "cache state digest")
+        digests = tp.allgather(self.state_digest(), "cache state digest")
         ref, diverged = outliers(digests)
         if diverged:
             first = self.replica * self.tp_size  # world rank of TP rank 0 of this replica
             ranks = [first + r for r in diverged]
             raise ConsistencyError(
-                f"cache state diverged at step {self.manager.counters.steps}: rank(s) "
+                f"cache state diverged at step {self._manager.counters.steps}: rank(s) "
                 f"{', '.join(map(str, ranks))} differ from rank {first + ref} (the majority of "
                 f"{tp.size}{' in replica ' + str(self.replica) if self.num_replicas > 1 else ''})",
                 ranks)
+
+    def state_digest(self) -> bytes:
+        """xxh3-128 of the state that decides this cache's future behaviour (prefix index,
+        tier occupancy, eviction order, sequences): equal on ranks fed the same requests."""
+        return self._manager.state_digest()
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self, wait_for_peers: bool = True) -> None:
@@ -240,12 +271,12 @@ class KVCache:
         if self._closed:
             return
         self._closed = True
-        local = self._local
+        parts = self._parts
         # Every later call raises CacheClosedError; the manager reaches every pool
         # through the executor, so it must go too.
-        self.manager = self.stager = self._local = _CLOSED
+        self._manager = self._stager = self._parts = _CLOSED
         try:
-            local.teardown()
+            parts.teardown()
             # After a timed-out collective the communicator is unusable: nothing to wait on.
             if wait_for_peers and getattr(self._comm, "broken", None) is None:
                 self._comm.barrier("close")
@@ -266,17 +297,25 @@ class KVCache:
 
 
 def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
-    """Build the cache on every rank of ``comm`` (collective; DESIGN §5). ``comm=None``
-    uses a Dup of COMM_WORLD when MPI is running, else a single-rank job without MPI.
-    Raises on every rank, with nothing left allocated, when the ranks agree to abort;
-    the exception's ``init_seconds`` is then what the attempt cost (as in ``stats()``)."""
+    """Build the cache on every rank of ``comm`` (collective; docs/design.md, "Start-up").
+    ``comm=None`` uses a Dup of COMM_WORLD when MPI is running, else a single-rank job
+    without MPI. Raises on every rank, with nothing left allocated, when the ranks agree
+    to abort; the exception's ``init_seconds`` is then what the attempt cost (as in
+    ``stats()``)."""
+    return build(cfg, comm, None)
+
+
+def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
+    """``create`` with test seams (``kvdist.testing.create``)."""
     cfg = load_config(cfg)
     timing = InitTiming()
     with timing.clock("consensus"):
         c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
+    if seams is not None:
+        seams.comm = c
     try:
         layout = ReplicaLayout.of(c.rank, c.size, cfg.distributed.tp_size)
-        done = establish(c, cfg, LocalBuilder(cfg, c.rank, c.local_rank, c.local_size), timing)
+        done = establish(c, cfg, CandidateBuilder(cfg, c.rank, c.local_rank, c.local_size, seams), timing)
     except BaseException as e:
         c.free()
         e.init_seconds = timing.as_dict()  # what the failed start cost this rank, for operators
@@ -289,6 +328,3 @@ def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
         c.free()
         raise
     return KVCache(done.candidate, c, done.status, done, replicas)
-
-
-__all__ = ["KVCache", "create"]

@@ -1,24 +1,27 @@
 """Building one rank's cache candidate: device selection, capacity planning, the
-tier pools, the executor and the manager. A candidate owns every resource it
-allocated until ``teardown()``, which frees them all (also after a partial build)."""
+tier pools, the copy backend, the manager and the stager. A candidate owns every
+resource it allocated until ``teardown()``, which frees them all (also after a
+partial build)."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import faults
+from .backend import CopyBackend, make_backend
 from .config import CacheConfig
 from .errors import ConfigError
 from .layout import KVLayout
 from .manager import CacheManager
-from .staging import Stager, make_stager
+from .seams import Seams
+from .staging import Stager
 from .storage import DiskPool, GpuPool, HostPool
 from .storage.host_sizing import auto_host_bytes, available_memory
-from .transfer import HostCopies, SimExecutor, SyncExecutor
+
+__all__ = ["CandidateBuilder", "RankCache", "build_candidate", "plan_capacity", "select_device"]
 
 log = logging.getLogger("kvdist.candidate")
 
@@ -74,26 +77,10 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
     return gpu, host, disk
 
 
-def simulate_async(cfg: CacheConfig) -> bool:
-    env = os.environ.get("KVDIST_SIMULATE_ASYNC", "")
-    if env not in ("", "0", "1"):
-        raise ConfigError("KVDIST_SIMULATE_ASYNC", env, "must be 0 or 1")
-    return cfg.cache.simulate_async or env == "1"
-
-
-def copy_path_override() -> str | None:
-    """``KVDIST_COPY_PATH`` forces the CUDA copy path (benchmarks, diagnosis)."""
-    from .transfer.batchcopy import PATHS
-
-    env = os.environ.get("KVDIST_COPY_PATH", "")
-    if env and env not in PATHS:
-        raise ConfigError("KVDIST_COPY_PATH", env, f"must be one of {', '.join(PATHS)}")
-    return env or None
-
-
 @dataclass(slots=True)
-class LocalCache:
-    """One rank's cache: pools, executor and manager, plus how it was built."""
+class RankCache:
+    """The parts of one rank's cache: pools, copy backend, manager and stager, plus how
+    they were built. A candidate until the ranks commit it; then what KVCache drives."""
 
     cfg: CacheConfig
     layout: KVLayout
@@ -101,7 +88,7 @@ class LocalCache:
     gpu: GpuPool | None = None
     host: HostPool | None = None
     disk: DiskPool | None = None
-    executor: object = None
+    backend: CopyBackend | None = None
     manager: CacheManager | None = None
     stager: Stager | None = None  # host->device metadata copies (rule S3)
 
@@ -115,27 +102,28 @@ class LocalCache:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-        close = getattr(self.executor, "close", None)  # the CUDA executor's disk workers
-        if close is not None:
-            close()
+        if self.backend is not None:
+            self.backend.executor.close()  # the CUDA executor's disk workers
+            self.backend = None
         for pool in (self.disk, self.host, self.gpu):
             if pool is not None:
                 pool.close()
         self.disk = self.host = self.gpu = None
-        self.executor = None
 
     @property
     def tiers(self) -> tuple[str, ...]:
         return self.manager.tier_names()
 
 
-def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.device,
-                rank: int, *, with_host: bool = True, fallback: bool = False) -> LocalCache:
-    """Allocate the tiers and the manager. ``with_host=False`` is the rebuild after
-    USE_NO_HOST (the disk tier is kept). On any error everything allocated so far is
-    freed before the error propagates."""
+def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.device,
+                    rank: int, *, with_host: bool = True, fallback: bool = False,
+                    seams: Seams | None = None) -> RankCache:
+    """Allocate the tiers, the copy backend, the manager and the stager. ``with_host=False``
+    is the rebuild after USE_NO_HOST (the disk tier is kept). On any error everything
+    allocated so far is freed before the error propagates."""
     layout = KVLayout.from_config(cfg)
-    local = LocalCache(cfg, layout, device)
+    seams = seams or Seams()
+    local = RankCache(cfg, layout, device)
     try:
         faults.inject("fallback_build" if fallback else "build", rank)
         gpu_n, host_n, disk_n = capacity
@@ -152,37 +140,34 @@ def build_local(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.
             d = cfg.cache.disk
             local.disk = DiskPool(layout, disk_n, d.path, rank, io_threads=d.io_threads,
                                   o_direct=d.o_direct)
-        if device.type == "cuda":
-            from .transfer.cuda import CudaExecutor
-
-            local.executor = CudaExecutor(local.gpu, local.host, local.disk, device,
-                                          path=copy_path_override())
-        else:
-            copies = HostCopies(local.gpu, local.host, local.disk)
-            local.executor = SimExecutor(copies) if simulate_async(cfg) else SyncExecutor(copies)
+        local.backend = make_backend(cfg, device, local.gpu, local.host, local.disk,
+                                     copy_path=seams.copy_path, log=seams.batch_log)
         local.manager = CacheManager(
-            layout, (gpu_n, host_n, disk_n), local.executor,
+            layout, (gpu_n, host_n, disk_n), local.backend.executor,
             enable_reuse=cfg.cache.enable_reuse,
             offload_min_priority=cfg.cache.offload_min_priority,
-            demote_ahead=int(cfg.cache.disk.demote_ahead * host_n))
-        local.stager = make_stager(device, local.executor)
+            demote_ahead=int(cfg.cache.disk.demote_ahead * host_n),
+            engine_seams=seams.engine_seams(), table_rows=seams.table_rows)
+        local.stager = Stager(local.backend.upload, protect=seams.protect_staging)
+        seams.rank_cache = local
         return local
     except BaseException:
         local.teardown()
         raise
 
 
-
-class LocalBuilder:
+class CandidateBuilder:
     """This rank's side of the start-up protocol (``kvdist.distributed.consensus.Builder``):
     ``plan`` picks the device and the capacity it could allocate (no allocation),
     ``build`` allocates a candidate of the capacity all ranks agreed on."""
 
-    def __init__(self, cfg: CacheConfig, rank: int, local_rank: int = 0, local_size: int = 1):
+    def __init__(self, cfg: CacheConfig, rank: int, local_rank: int = 0, local_size: int = 1,
+                 seams: Seams | None = None):
         self.cfg = cfg
         self.rank = rank
         self.local_rank = local_rank
         self.local_size = local_size
+        self.seams = seams
         self.layout = KVLayout.from_config(cfg)
         self.device: torch.device | None = None
 
@@ -190,7 +175,7 @@ class LocalBuilder:
         self.device = select_device(self.cfg.cache.device, self.local_rank)
         return plan_capacity(self.cfg, self.layout, self.device, self.local_size)
 
-    def build(self, capacity: tuple[int, int, int], *, with_host: bool, fallback: bool) -> LocalCache:
+    def build(self, capacity: tuple[int, int, int], *, with_host: bool, fallback: bool) -> RankCache:
         assert self.device is not None, "plan() before build()"
-        return build_local(self.cfg, capacity, self.device, self.rank,
-                           with_host=with_host, fallback=fallback)
+        return build_candidate(self.cfg, capacity, self.device, self.rank,
+                               with_host=with_host, fallback=fallback, seams=self.seams)

@@ -90,12 +90,6 @@ class PriorityLRU:
         self._prev[slot] = self._next[slot] = NO_SLOT
         self._len -= 1
 
-    def peek_victim(self) -> int:
-        m = self._nonempty
-        if not m:
-            return NO_SLOT
-        return self._head[(m & -m).bit_length() - 1]
-
     def pop_victim(self) -> int:
         """Remove and return the next slot to evict, or NO_SLOT when empty. The victim
         is a list head, so only its successor's back link changes."""

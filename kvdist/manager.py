@@ -44,7 +44,8 @@ from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .layout import KVLayout
 from .prefix import PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
-from .transfer import ALL_RULES, DIRECTIONS, TransferEngine
+from .staging.rows import DEFAULT_ROWS
+from .transfer import ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
 
 _MASK64 = (1 << 64) - 1
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
@@ -80,8 +81,7 @@ class Sequence:
 class CacheCounters:
     hit_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
     prompt_tokens: int = 0
-    blocks_moved: dict[str, int] = field(default_factory=lambda: {
-        "offload": 0, "onboard": 0, "demote": 0, "spill": 0, "fetch": 0})
+    blocks_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_NAMES, 0))
     evictions: list[int] = field(default_factory=lambda: [0, 0, 0])
     dropped: int = 0
     steps: int = 0
@@ -91,9 +91,9 @@ class CacheManager:
     """Block bookkeeping of one rank over up to three tiers; copies go through a
     :class:`~kvdist.transfer.TransferEngine` bound to ``executor``."""
 
-    def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor, *,
-                 enable_reuse: bool = True, offload_min_priority: int = 0,
-                 rules: frozenset[str] = ALL_RULES, tracking: str = "slot", demote_ahead: int = 0):
+    def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor: Executor, *,
+                 enable_reuse: bool = True, offload_min_priority: int = 0, demote_ahead: int = 0,
+                 engine_seams: EngineSeams | None = None, table_rows: int = DEFAULT_ROWS):
         assert capacity[GPU] > 0, "the GPU tier needs at least one block"
         self.layout = layout
         self.tpb = layout.tokens_per_block
@@ -103,27 +103,25 @@ class CacheManager:
                      for t in (GPU, HOST, DISK)]
         self.lru = [PriorityLRU(self.meta) for _ in (GPU, HOST, DISK)]
         self.index = PrefixIndex(self.space.total, self.meta)
-        self.engine = TransferEngine(self.space, executor, rules=rules, tracking=tracking,
+        self.engine = TransferEngine(self.space, executor, seams=engine_seams or EngineSeams(),
                                      block_id=self._block_id)
         self.enable_reuse = enable_reuse
         self.offload_min_priority = offload_min_priority
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
         self.salt = layout.hash_salt()
         self.seqs: dict[Hashable, Sequence] = {}
-        self.host_table = TableRows()  # persistent rows; step tables are gathered from it
+        self.host_table = TableRows(rows=table_rows)  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
         self._deferred_release: list[Sequence] = []
         self.counters = CacheCounters()
         self.transfer_seconds = 0.0
         self.bookkeeping_seconds = 0.0
         # Tier order for eviction: where a block evicted from tier t may go.
-        self._colder = {GPU: [t for t in (HOST, DISK) if capacity[t]],
-                        HOST: [DISK] if capacity[DISK] else [], DISK: []}
+        self._colder = {GPU: [route(GPU, t) for t in (HOST, DISK) if capacity[t]],
+                        HOST: [route(HOST, DISK)] if capacity[DISK] else [], DISK: []}
         # The copies of one cascade, handed to the engine together at its end (in order,
-        # one copy_many per run of one direction). Block tracking (a rule-off mode) keys
-        # a copy by the source's content at the call, so it gets each copy at once.
-        self._batch_moves = tracking == "slot"
-        self._moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # src, dst, direction
+        # one call per run of one route).
+        self._moves: tuple[list[int], list[int], list[Route]] = ([], [], [])  # src, dst, route
 
     # -- helpers ----------------------------------------------------------------------------
     def _block_id(self, slot: int) -> tuple[int, int]:
@@ -135,52 +133,50 @@ class CacheManager:
     def _available_gpu(self) -> int:
         return len(self.free[GPU]) + len(self.lru[GPU])
 
-    def _move(self, src: int, dst: int, t_src: int, t_dst: int) -> None:
-        """Move the cached block in ``src`` (of tier ``t_src``) to the free slot ``dst``
-        (of tier ``t_dst``): an exclusive move, ``src`` ends on its free stack. The copy
-        reaches the engine at the next ``_submit_moves``."""
+    def _move(self, src: int, dst: int, along: Route) -> None:
+        """Move the cached block in ``src`` (of tier ``along.src``) to the free slot
+        ``dst`` (of tier ``along.dst``): an exclusive move, ``src`` ends on its free
+        stack. The copy reaches the engine at the next ``_submit_moves``."""
         meta = self.meta
-        srcs, dsts, dirs = self._moves
+        srcs, dsts, routes = self._moves
         srcs.append(src)
         dsts.append(dst)
-        dirs.append(3 * t_src + t_dst)
-        if not self._batch_moves:
-            self._submit_moves()
+        routes.append(along)
         meta.move(src, dst)
         self.index.retarget(src, dst)
         meta.state_mv[dst] = CACHED
         meta.state_mv[src] = FREE
-        self.free[t_src].push(src)
-        self.counters.blocks_moved[DIRECTIONS[t_src, t_dst]] += 1
+        self.free[along.src].push(src)
+        self.counters.blocks_moved[along.name] += 1
 
     def _submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order."""
-        srcs, dsts, dirs = self._moves
+        srcs, dsts, routes = self._moves
         if not srcs:
             return
         t0 = time.perf_counter()
-        if dirs.count(dirs[0]) == len(dirs):
-            self._queue_copies(srcs, dsts)
+        if routes.count(routes[0]) == len(routes):
+            self._queue_copies(routes[0], srcs, dsts)
         else:
             start = 0
-            for i in range(1, len(dirs) + 1):
-                if i == len(dirs) or dirs[i] != dirs[start]:
-                    self._queue_copies(srcs[start:i], dsts[start:i])
+            for i in range(1, len(routes) + 1):
+                if i == len(routes) or routes[i] is not routes[start]:
+                    self._queue_copies(routes[start], srcs[start:i], dsts[start:i])
                     start = i
         srcs.clear()
         dsts.clear()
-        dirs.clear()
+        routes.clear()
         self.transfer_seconds += time.perf_counter() - t0
 
-    def _queue_copies(self, srcs: list[int], dsts: list[int]) -> None:
-        """Copies of one direction: ``copy_many`` costs about as much as 24 single copies
+    def _queue_copies(self, along: Route, srcs: list[int], dsts: list[int]) -> None:
+        """Copies of one route: ``copy_many`` costs about as much as 24 single copies
         up front and a quarter of one per copy after that."""
         if len(srcs) < _COPY_MANY_FROM:
             copy = self.engine.copy
             for s, d in zip(srcs, dsts):
-                copy(s, d)
+                copy(along, s, d)
         else:
-            self.engine.copy_many(srcs, dsts)
+            self.engine.copy_many(along, srcs, dsts)
 
     # -- the eviction cascade -----------------------------------------------------------------
     def _take_slot(self, tier: int) -> int:
@@ -202,11 +198,11 @@ class CacheManager:
         tier = GPU if slot < self.space.base[HOST] else self.space.tier_of(slot)
         self.counters.evictions[tier] += 1
         if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
-            for colder in self._colder[tier]:
-                dst = self._take_slot(colder)
+            for along in self._colder[tier]:
+                dst = self._take_slot(along.dst)
                 if dst != NO_SLOT:
-                    self._move(slot, dst, tier, colder)
-                    self.lru[colder].push(dst)
+                    self._move(slot, dst, along)
+                    self.lru[along.dst].push(dst)
                     return
         self.index.remove(slot)
         meta.state_mv[slot] = FREE
@@ -298,7 +294,7 @@ class CacheManager:
                     hit_tokens[tier] += tpb
                     g = fresh[k]
                     k += 1
-                    self._move(s, g, tier, GPU)
+                    self._move(s, g, route(tier, GPU))
                     ref[g] = 1
                     if prio[g] < priority:
                         prio[g] = priority

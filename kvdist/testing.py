@@ -1,4 +1,5 @@
-"""An integrity driver: plays the forward pass against a cache and checks every reused
+"""Test support: ``create`` builds a cache with test seams (``kvdist.seams.Seams``), and
+an integrity driver plays the forward pass against a cache and checks every reused
 token's bytes.
 
 The K/V the driver writes at position ``p`` of a sequence is a pattern derived from a
@@ -14,7 +15,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cache import KVCache, build
+from .config import CacheConfig
+from .seams import Seams
+
+__all__ = ["IntegrityDriver", "Seams", "create", "prefix_fingerprints"]
+
 _MOD = (1 << 61) - 1
+
+
+def create(cfg: CacheConfig | dict | str, seams: Seams, comm=None) -> KVCache:
+    """``kvdist.create`` with ``seams``: its switches are read while the cache is built,
+    its records fill while it runs, and its handles point at the built cache's parts."""
+    return build(cfg, comm, seams)
 
 
 def prefix_fingerprints(tokens: Sequence[int], state: int = 0) -> list[int]:
@@ -38,15 +51,13 @@ class _Track:
 class IntegrityDriver:
     """Drives ``cache`` like an engine's forward pass; counts mismatching tokens."""
 
-    def __init__(self, cache, overlap: bool = False):
+    def __init__(self, cache: KVCache, overlap: bool = False):
         self.cache = cache
         # Simulated streams: the forward pass is a 'kernel' on the compute stream, queued
         # behind the table's staging copy. With ``overlap`` it stays queued while the next
         # step is prepared (a scheduler one step ahead of the device) and runs only after
         # that step's table was staged; otherwise it runs at once.
-        executor = cache.manager.engine.executor
-        self._kernel = getattr(executor, "kernel", None)
-        self._force = getattr(executor, "force", None)
+        self._compute = cache.simulated_compute
         self.overlap = overlap
         self._in_flight = None  # the previous step's forward pass, still queued (overlap)
         lay = cache.layout
@@ -106,21 +117,21 @@ class IntegrityDriver:
             work.append((row, seq_id, tr, tr.check_upto, tr.write_from, len(tr.tokens)))
             tr.check_upto = 0
         forward = lambda: self._forward(table, work)
-        if self._kernel is None:
+        if self._compute is None:
             forward()
             return table
-        previous, self._in_flight = self._in_flight, self._kernel(forward)
+        previous, self._in_flight = self._in_flight, self._compute.kernel(forward)
         if not self.overlap:
             self.drain()
         elif previous is not None:
-            self._force(previous)
+            self._compute.force(previous)
         return table
 
     def drain(self) -> None:
         """Run the forward pass still queued on the simulated compute stream, if any."""
         if self._in_flight is not None:
             op, self._in_flight = self._in_flight, None
-            self._force(op)
+            self._compute.force(op)
 
     def _forward(self, table: torch.Tensor, work: list) -> None:
         for row, seq_id, tr, check_upto, lo, hi in work:

@@ -1,4 +1,6 @@
 import copy
+import weakref
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -29,3 +31,49 @@ def cfg_factory(tmp_path):
              "disk": {"path": str(tmp_path / "disk"), "bytes": disk * block}, **cache}
         return make_cfg(cache=c)
     return factory
+
+
+@dataclass
+class Probe:
+    """Counts candidate builds and effective teardowns on this rank, and keeps weak
+    references to every tier tensor and the disk file of each built candidate."""
+
+    builds: list[tuple[bool, bool, str]] = field(default_factory=list)  # (with_host, fallback, outcome)
+    teardowns: int = 0
+    live: set[int] = field(default_factory=set)
+    tensors: list[weakref.ref] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    p = Probe()
+    import kvdist.candidate
+
+    real_build = kvdist.candidate.build_candidate
+    real_teardown = kvdist.candidate.RankCache.teardown
+
+    def build_candidate(cfg, capacity, device, rank, *, with_host=True, fallback=False, seams=None):
+        try:
+            local = real_build(cfg, capacity, device, rank, with_host=with_host, fallback=fallback,
+                               seams=seams)
+        except Exception as e:
+            p.builds.append((with_host, fallback, type(e).__name__))
+            raise
+        p.builds.append((with_host, fallback, "ok"))
+        p.live.add(id(local))
+        p.tensors += [weakref.ref(t) for t in (local.gpu.data, getattr(local.host, "raw", None))
+                      if t is not None]
+        if local.disk is not None:
+            p.files.append(local.disk.path)
+        return local
+
+    def teardown(self):
+        if id(self) in p.live:
+            p.live.discard(id(self))
+            p.teardowns += 1
+        real_teardown(self)
+
+    monkeypatch.setattr(kvdist.candidate, "build_candidate", build_candidate)
+    monkeypatch.setattr(kvdist.candidate.RankCache, "teardown", teardown)
+    return p

@@ -15,12 +15,14 @@ import pytest
 import torch
 
 import kvdist
+import kvdist.testing
 from kvdist import faults
 from kvdist.distributed import capacity as caps
 from kvdist.distributed import comm as dist_comm
 from kvdist.distributed.consensus import HostTierWarning, config_differences, outliers
+from kvdist.testing import Seams
 from tests.conftest import make_cfg
-from tests.mpi.test_consensus import BLOCK, BUILD_REASON, HOST_REASON, OK_HOST, OK_NO_HOST, probe  # noqa: F401
+from tests.mpi.test_consensus import BLOCK, BUILD_REASON, HOST_REASON, OK_HOST, OK_NO_HOST
 
 
 @pytest.fixture(autouse=True)
@@ -43,15 +45,16 @@ def cfg(disk_dir, host_blocks=4, **distributed):
                     distributed=distributed)
 
 
-def assert_clean(probe, disk_dir):  # noqa: F811
+def assert_clean(probe, disk_dir):
     assert not probe.live, "a built candidate was never torn down"
     assert sum(r() is not None for r in probe.tensors) == 0, "a tier tensor outlived its teardown"
     assert os.listdir(disk_dir) == []
 
 
-def test_healthy(probe, disk_dir):  # noqa: F811
-    with kvdist.create(cfg(disk_dir)) as cache:
-        assert isinstance(cache._comm, dist_comm.SingleComm)
+def test_healthy(probe, disk_dir):
+    seams = Seams()
+    with kvdist.testing.create(cfg(disk_dir), seams) as cache:
+        assert isinstance(seams.comm, dist_comm.SingleComm)
         assert (cache.rank, cache.world_size, cache.init_status) == (0, 1, kvdist.InitStatus.KEEP_HOST)
         assert cache.tiers == ("gpu", "host", "disk")
         s = cache.stats()
@@ -63,7 +66,7 @@ def test_healthy(probe, disk_dir):  # noqa: F811
     assert_clean(probe, disk_dir)
 
 
-def test_host_tier_fails_rebuilds_without_host(probe, disk_dir, monkeypatch):  # noqa: F811
+def test_host_tier_fails_rebuilds_without_host(probe, disk_dir, monkeypatch):
     monkeypatch.setenv(faults.ENV, "host_tier@0")
     with pytest.warns(HostTierWarning, match=r"could not be had on rank 0: HostTierUnavailable"):
         cache = kvdist.create(cfg(disk_dir))
@@ -77,7 +80,7 @@ def test_host_tier_fails_rebuilds_without_host(probe, disk_dir, monkeypatch):  #
     assert_clean(probe, disk_dir)
 
 
-def test_build_error_raises_own_error(probe, disk_dir, monkeypatch):  # noqa: F811
+def test_build_error_raises_own_error(probe, disk_dir, monkeypatch):
     monkeypatch.setenv(faults.ENV, "build@0")
     with pytest.raises(kvdist.KVDistError) as e:
         kvdist.create(cfg(disk_dir))
@@ -90,7 +93,7 @@ def test_build_error_raises_own_error(probe, disk_dir, monkeypatch):  # noqa: F8
     assert_clean(probe, disk_dir)
 
 
-def test_rebuild_without_host_fails(probe, disk_dir, monkeypatch):  # noqa: F811
+def test_rebuild_without_host_fails(probe, disk_dir, monkeypatch):
     monkeypatch.setenv(faults.ENV, "host_tier@0,fallback_build@0")
     with pytest.warns(HostTierWarning), pytest.raises(kvdist.KVDistError, match="fallback_build failed"):
         kvdist.create(cfg(disk_dir))
@@ -99,7 +102,7 @@ def test_rebuild_without_host_fails(probe, disk_dir, monkeypatch):  # noqa: F811
     assert_clean(probe, disk_dir)
 
 
-def test_plan_error_aborts_without_building(probe, disk_dir):  # noqa: F811
+def test_plan_error_aborts_without_building(probe, disk_dir):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA (cuda:0 must be unavailable)")
     bad = cfg(disk_dir)
@@ -110,7 +113,7 @@ def test_plan_error_aborts_without_building(probe, disk_dir):  # noqa: F811
     assert_clean(probe, disk_dir)
 
 
-def test_stall_times_out_and_tears_down(probe, disk_dir, monkeypatch):  # noqa: F811
+def test_stall_times_out_and_tears_down(probe, disk_dir, monkeypatch):
     monkeypatch.setenv(faults.ENV, "stall@0")
     t0 = time.monotonic()
     with pytest.raises(kvdist.ConsensusTimeout, match="rank 0 stalled"):
@@ -120,7 +123,7 @@ def test_stall_times_out_and_tears_down(probe, disk_dir, monkeypatch):  # noqa: 
     assert_clean(probe, disk_dir)
 
 
-def test_collective_error_tears_candidate_down(probe, disk_dir, monkeypatch):  # noqa: F811
+def test_collective_error_tears_candidate_down(probe, disk_dir, monkeypatch):
     def broken(self, value, what):
         raise RuntimeError(f"injected failure of '{what}'")
 
@@ -160,7 +163,7 @@ def test_check_consistency_single_rank_and_digest(disk_dir):
         cache.end_step()
         cache.release("s")
         cache.check_consistency()
-        digest = cache.manager.state_digest()
+        digest = cache.state_digest()
         cache.close()
         return digest
 

@@ -24,7 +24,7 @@ from kvdist.storage import DiskPool, GpuPool, HostPool
 from kvdist.transfer import cuda as cuda_executor
 from kvdist.transfer.engine import TransferEngine
 
-from .test_transfer_engine import _random_moves
+from .test_transfer_engine import _queue, _random_moves
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="uint8", tokens_per_block=4)
 
@@ -126,14 +126,10 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_pat
         for _step in range(30):
             engine.begin_step()
             for _call in range(int(rng.integers(1, 5))):
-                src, dst = _random_moves(rng, space, int(rng.integers(1, 7)))
-                for s, d in zip(src, dst):
+                moves = _random_moves(rng, space, int(rng.integers(1, 7)))
+                for _, s, d in moves:
                     content[d] = content[s]
-                if rng.random() < 0.5:
-                    engine.copy_many(src, dst)
-                else:
-                    for s, d in zip(src, dst):
-                        engine.copy(s, d)
+                _queue(engine, moves, bulk=rng.random() < 0.5)
             engine.before_compute()
             engine.check_invariants()
         engine.synchronize()

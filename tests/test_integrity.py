@@ -2,7 +2,8 @@
 driver writes a pattern per (prefix, layer, K/V) and checks every reused token.
 
 Runs with immediate copies and with simulated asynchronous streams; with a rule of
-DESIGN §4 switched off, the simulated streams must corrupt (the rule-off cases)."""
+docs/design.md ("Synchronization rules") switched off through the test seams, the
+simulated streams must corrupt (the rule-off cases)."""
 
 import random
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.testing import IntegrityDriver
+import kvdist.testing
+from kvdist.testing import IntegrityDriver, Seams
 
 
 def churn(cache, steps=240, seed=1, check=True):
@@ -63,10 +65,9 @@ def test_churn_hits_every_tier_with_exact_bytes(cache):
     (frozenset({"S2", "S4", "S5"}), "block"),  # S1 off: pending copies keyed by block id
 ], ids=["S2-off", "S5-off", "S1-off-block-ids"])
 def test_rule_off_corrupts_under_simulated_streams(cfg_factory, rules, tracking):
-    cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, simulate_async=True))
+    cfg = cfg_factory(gpu=24, host=8, disk=128, simulate_async=True)
+    cache = kvdist.testing.create(cfg, Seams(rules=rules, tracking=tracking))
     try:
-        cache.manager.engine.rules = rules
-        cache.manager.engine.tracking = tracking
         d = churn(cache, check=False)
         assert d.mismatched_tokens > 0
     finally:
@@ -88,9 +89,10 @@ def test_no_disk_tier_spills_gpu_to_disk_without_host(cfg_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_churn_on_cuda_with_pinned_host_tier(cfg_factory):
     """The same churn with the GPU tier in CUDA memory and a pinned host tier."""
-    cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, device="cuda"))
+    seams = Seams()
+    cache = kvdist.testing.create(cfg_factory(gpu=24, host=8, disk=128, device="cuda"), seams)
     try:
-        assert cache.device.type == "cuda" and cache._local.host.raw.is_pinned()
+        assert cache.device.type == "cuda" and seams.host.raw.is_pinned()
         d = churn(cache)
         s = cache.stats()
         assert all(s["hit_tokens"][t] > 0 for t in ("gpu", "host", "disk")), s["hit_tokens"]

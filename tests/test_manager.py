@@ -4,14 +4,17 @@ errors. ``check_invariants`` runs after every operation."""
 import pytest
 
 import kvdist
-from kvdist.testing import IntegrityDriver
+import kvdist.testing
+from kvdist.testing import IntegrityDriver, Seams
 
 
 class Checked:
-    """Runs the driver and checks the cache's invariants after every call."""
+    """Runs the driver and checks the cache's invariants after every call; ``m`` is the
+    cache's manager (through its seams), for assertions on exact slots."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, seams: Seams):
         self.cache = cache
+        self.m = seams.manager
         self.drv = IntegrityDriver(cache)
 
     def __getattr__(self, name):
@@ -42,9 +45,10 @@ def make(cfg_factory):
     caches = []
 
     def make(**kw):
-        c = kvdist.create(cfg_factory(**kw))
+        seams = Seams()
+        c = kvdist.testing.create(cfg_factory(**kw), seams)
         caches.append(c)
-        return c, Checked(c)
+        return c, Checked(c, seams)
     yield make
     for c in caches:
         c.close()
@@ -52,7 +56,7 @@ def make(cfg_factory):
 
 def test_reuse_exact_ids(make):
     cache, d = make(gpu=4)
-    m = cache.manager
+    m = d.m
     assert d.step("a", T(0, 10), release=False) == 0
     assert m.seqs["a"].slots == [0, 1, 2]
     d.release("a")
@@ -85,7 +89,7 @@ def test_blocks_become_reusable_at_end_step(make):
     d.compute()
     d.end()
     # a and b each filled the two blocks; b's copies are duplicates and stay private.
-    m = cache.manager
+    m = d.m
     assert len(m.index) == 2
     d.release("a")
     d.release("b")
@@ -99,15 +103,15 @@ def test_release_in_the_same_step_is_deferred(make):
     d.add("a", T(0, 8))
     d.compute()
     d.release("a")
-    assert len(cache.manager.index) == 0
+    assert len(d.m.index) == 0
     d.end()
-    assert len(cache.manager.index) == 2
+    assert len(d.m.index) == 2
     assert d.step("b", T(0, 9)) == 8
 
 
 def test_cascade_gpu_host_disk_exact(make):
     cache, d = make(gpu=3, host=2, disk=2)
-    m = cache.manager
+    m = d.m
     assert m.space.base == (0, 3, 5)
     d.step("s1", T(0))
     assert list(m.lru[0]) == [1, 0]
@@ -132,7 +136,7 @@ def test_cascade_gpu_host_disk_exact(make):
 
 def test_priority_then_lru(make):
     cache, d = make(gpu=4)
-    m = cache.manager
+    m = d.m
     d.step("low", T(0, 4) + [1], priority=10)  # block 0 cached, low priority
     d.step("high", T(100, 4) + [1], priority=80)  # block 2 cached
     d.step("mid", T(200, 4) + [1], priority=35)  # block 0? no: block 1 (free stack order)
@@ -159,7 +163,7 @@ def test_reuse_disabled(make):
     cache, d = make(gpu=4, enable_reuse=False)
     d.step("a", T(0, 8))
     assert d.step("b", T(0, 9)) == 0
-    assert len(cache.manager.index) == 0
+    assert len(d.m.index) == 0
 
 
 def test_append_grows_and_registers(make):
@@ -173,8 +177,8 @@ def test_append_grows_and_registers(make):
         d.append("a", [tok])
         d.compute()
         d.end()
-    assert cache.manager.seqs["a"].slots == [0, 1, 2]
-    assert len(cache.manager.index) == 2
+    assert d.m.seqs["a"].slots == [0, 1, 2]
+    assert len(d.m.index) == 2
     d.release("a")
     assert d.step("b", T(0, 9)) == 8
     assert d.drv.mismatched_tokens == 0
@@ -187,7 +191,7 @@ def test_append_out_of_blocks_changes_nothing(make):
     with pytest.raises(kvdist.OutOfBlocksError, match="needs 1 GPU blocks but only 0"):
         cache.append_tokens("a", [1])
     cache.end_step()
-    assert len(cache.manager.seqs["a"].tokens) == 8
+    assert len(d.m.seqs["a"].tokens) == 8
     cache.check_invariants()
 
 
@@ -225,9 +229,10 @@ def test_demote_ahead_keeps_host_slots_free_exact(cfg_factory, tmp_path):
     coldest host blocks until 2 host slots are free; the demoted blocks stay reusable."""
     cfg = cfg_factory(gpu=3, host=4, disk=4)
     cfg["cache"]["disk"]["demote_ahead"] = 0.5
-    cache = kvdist.create(cfg)
+    seams = Seams()
+    cache = kvdist.testing.create(cfg, seams)
     try:
-        d, m = Checked(cache), cache.manager
+        d, m = Checked(cache, seams), seams.manager
         assert m.space.base == (0, 3, 7) and m.demote_ahead == 2
         d.step("s0", T(0))
         d.step("s1", T(100))

@@ -25,13 +25,14 @@ import pytest
 import xxhash
 
 import kvdist
+import kvdist.testing
 from kvdist.blocks import CACHED, NO_SLOT, BlockMeta, FreeStack
 from kvdist.errors import OutOfBlocksError
 from kvdist.eviction import NUM_PRIORITIES, PriorityLRU
 from kvdist.layout import KVLayout
 from kvdist.manager import CacheManager
 from kvdist.prefix import PrefixIndex, split
-from kvdist.testing import IntegrityDriver
+from kvdist.testing import IntegrityDriver, Seams
 from kvdist.transfer.executors import NullExecutor
 
 # -- FreeStack ----------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_priority_lru_against_sorted_reference(seed):
         else:
             order = ref.order()
             expect = order[0] if order else NO_SLOT
-            assert lru.peek_victim() == expect
+            assert next(iter(lru), NO_SLOT) == expect
             assert lru.pop_victim() == expect
             ref.entries.pop(expect, None)
         lru.check_invariants()
@@ -496,14 +497,10 @@ def long_churn(cache, steps=40, seed=0):
 
 @pytest.mark.parametrize("rules", [None, frozenset({"S4", "S5"})], ids=["all-rules", "S2-off"])
 def test_long_cascades_keep_every_byte(cfg_factory, rules):
-    cache = kvdist.create(cfg_factory(gpu=90, host=96, disk=160, simulate_async=True))
+    bulk: list[int] = []
+    seams = Seams(copy_many_sizes=bulk) if rules is None else Seams(rules=rules, copy_many_sizes=bulk)
+    cache = kvdist.testing.create(cfg_factory(gpu=90, host=96, disk=160, simulate_async=True), seams)
     try:
-        bulk = []
-        engine = cache.manager.engine
-        copy_many = engine.copy_many
-        engine.copy_many = lambda src, dst: (bulk.append(len(src)), copy_many(src, dst))
-        if rules is not None:
-            engine.rules = rules
         drv = long_churn(cache)
         s = cache.stats()
         assert len(bulk) >= 10 and min(bulk) >= 32, bulk

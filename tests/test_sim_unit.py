@@ -246,25 +246,30 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     corrupted, reused_now = [], {}
     real_create = kvdist.sim.driver.create
 
-    def corrupting_create(cfg, comm=None):
-        cache = real_create(cfg, comm)
-        add, table_of = cache.add_sequence, cache.block_table
+    class CorruptingCache:
+        """The cache, but a reused block's K is overwritten once it is handed back."""
 
-        def add_sequence(seq_id, tokens, priority=35):
-            reused_now[seq_id] = add(seq_id, tokens, priority)
+        def __init__(self, cache):
+            self.cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self.cache, name)
+
+        def add_sequence(self, seq_id, tokens, priority=35):
+            reused_now[seq_id] = self.cache.add_sequence(seq_id, tokens, priority)
             return reused_now[seq_id]
 
-        def block_table(seq_ids):
-            table = table_of(seq_ids)
+        def block_table(self, seq_ids):
+            table = self.cache.block_table(seq_ids)
             for row, seq_id in enumerate(seq_ids):
                 if not corrupted and reused_now.get(seq_id, 0) >= 8:  # two reused blocks
-                    cache.kv_pool(0)[table[row, 1], 0] += 1.0  # K of block 1, layer 0
+                    self.cache.kv_pool(0)[table[row, 1], 0] += 1.0  # K of block 1, layer 0
                     corrupted.append(seq_id)
             reused_now.clear()
             return table
 
-        cache.add_sequence, cache.block_table = add_sequence, block_table
-        return cache
+    def corrupting_create(cfg, comm=None):
+        return CorruptingCache(real_create(cfg, comm))
 
     monkeypatch.setattr(kvdist.sim.driver, "create", corrupting_create)
     r = run(sim_cfg(tmp_path), RunOptions(out=None, progress=False))

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import kvdist
+import kvdist.testing
 from kvdist.staging import ImmediateH2D, SimH2D, Stager, TableRows
-from kvdist.testing import IntegrityDriver
+from kvdist.testing import IntegrityDriver, Seams
 from kvdist.transfer import SimDeadlock, SimExecutor
 
 PROTECT = pytest.mark.parametrize("protect", [True, False], ids=["protected", "rule-off-one-buffer"])
@@ -25,9 +26,9 @@ def T(start, n):
     return list(range(start, start + n))
 
 
-def host_view(cache, ids):
+def host_view(seams: Seams, ids):
     """The table as the scheduler's sequences say it is right now (independent of staging)."""
-    rows = [list(cache.manager.seqs[i].slots) for i in ids]
+    rows = [list(seams.manager.seqs[i].slots) for i in ids]
     width = max(len(r) for r in rows)
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
 
@@ -45,12 +46,13 @@ def intact(protect, got, baseline):
 def sim_cache(cfg_factory):
     caches = []
 
-    def make(protect=True, **kw):
-        cache = kvdist.create(cfg_factory(simulate_async=True, **{"gpu": 32, **kw}))
+    def make(protect=True, table_rows=None, **kw):
+        seams = Seams(protect_staging=protect)
+        if table_rows:
+            seams.table_rows = table_rows
+        cache = kvdist.testing.create(cfg_factory(simulate_async=True, **{"gpu": 32, **kw}), seams)
         caches.append(cache)
-        if not protect:
-            cache.stager = Stager(cache.stager.upload, protect=False)
-        return cache, cache.manager.engine.executor
+        return cache, seams
     yield make
     for c in caches:
         c.close()
@@ -59,20 +61,21 @@ def sim_cache(cfg_factory):
 # -- the four scenarios through the façade (1, 3, 4) and the stager (2) -------------------------
 @PROTECT
 def test_1_table_row_rewritten_after_copy_queued(sim_cache, protect):
-    cache, ex = sim_cache(protect)
+    cache, seams = sim_cache(protect)
+    ex = seams.executor
     cache.begin_step()
     cache.add_sequence("a", T(0, 6))
     cache.add_sequence("b", T(100, 9))
     ex.hold("compute")  # the device is still busy with earlier work
     table = cache.block_table(["a", "b"])
-    baseline = host_view(cache, ["a", "b"])
+    baseline = host_view(seams, ["a", "b"])
     assert baseline.tolist() == [[0, 1, -1], [2, 3, 4]]
     cache.end_step()
     # The scheduler prepares the next step before the copy ran: "a" grows, its row changes.
     cache.begin_step()
     cache.append_tokens("a", [7, 8, 9])
     following = cache.block_table(["a", "b"])
-    assert host_view(cache, ["a", "b"]).tolist() == [[0, 1, 5], [2, 3, 4]]
+    assert host_view(seams, ["a", "b"]).tolist() == [[0, 1, 5], [2, 3, 4]]
     cache.check_invariants()
     ex.release("compute")
     ex.drain("compute")
@@ -104,14 +107,14 @@ def test_2_gather_indices_rewritten(protect):
 
 @PROTECT
 def test_3_released_row_rebound_before_copy_ran(sim_cache, protect):
-    cache, ex = sim_cache(protect)
-    rows = cache.manager.host_table = TableRows(rows=2, width=2)  # two rows: "c" must take "a"'s
+    cache, seams = sim_cache(protect, table_rows=2)  # two rows: "c" must take "a"'s
+    ex, rows = seams.executor, seams.manager.host_table
     cache.begin_step()
     cache.add_sequence("a", T(0, 8))
     cache.add_sequence("b", T(100, 5))
     ex.hold("compute")
     table = cache.block_table(["a", "b"])
-    baseline = host_view(cache, ["a", "b"])
+    baseline = host_view(seams, ["a", "b"])
     assert baseline.tolist() == [[0, 1], [2, 3]]
     row_a = rows.row_of("a")
     cache.end_step()
@@ -120,7 +123,7 @@ def test_3_released_row_rebound_before_copy_ran(sim_cache, protect):
     cache.add_sequence("c", T(200, 8))
     following = cache.block_table(["c", "b"])
     assert rows.row_of("c") == row_a and rows.row_of("a") is None
-    assert host_view(cache, ["c", "b"]).tolist() == [[4, 5], [2, 3]]
+    assert host_view(seams, ["c", "b"]).tolist() == [[4, 5], [2, 3]]
     cache.check_invariants()
     ex.release("compute")
     ex.drain("compute")
@@ -130,13 +133,14 @@ def test_3_released_row_rebound_before_copy_ran(sim_cache, protect):
 
 @PROTECT
 def test_4_second_staged_copy_queued_behind_first(sim_cache, protect):
-    cache, ex = sim_cache(protect)
+    cache, seams = sim_cache(protect)
+    ex = seams.executor
     cache.begin_step()
     cache.add_sequence("a", T(0, 10))
     cache.add_sequence("b", T(100, 3))
     ex.hold("compute")
     first = cache.block_table(["a", "b"])
-    baseline = host_view(cache, ["a", "b"])
+    baseline = host_view(seams, ["a", "b"])
     assert baseline.tolist() == [[0, 1, 2], [3, -1, -1]]
     cache.end_step()
     cache.begin_step()
@@ -301,12 +305,9 @@ def test_overlap_churn_is_exact_and_steady_state_stages_for_free(cfg_factory):
 def test_overlap_churn_rule_off_corrupts(cfg_factory, what):
     """With the scheduler a step ahead, one reused staging buffer (S3 off) or copies that do
     not wait for the previous step's kernels (S4 off) corrupt the KV bytes."""
-    cache = kvdist.create(cfg_factory(gpu=48, host=16, disk=128, simulate_async=True))
+    seams = Seams(rules=frozenset({"S2", "S5"})) if what == "S4-off" else Seams(protect_staging=False)
+    cache = kvdist.testing.create(cfg_factory(gpu=48, host=16, disk=128, simulate_async=True), seams)
     try:
-        if what == "S4-off":
-            cache.manager.engine.rules = frozenset({"S2", "S5"})
-        else:
-            cache.stager = Stager(cache.stager.upload, protect=False)
         d = overlap_churn(cache)
         assert d.mismatched_tokens > 0
     finally:

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.staging import CudaH2D, Stager, TableRows
+import kvdist.testing
+from kvdist.staging import CudaH2D, Stager
+from kvdist.testing import Seams
 
 from .cuda_gate import SpinGate
 from .test_staging import PROTECT, T, host_view, intact
@@ -25,12 +27,13 @@ def gate():
 def cuda_cache(cfg_factory):
     caches = []
 
-    def make(protect=True):
-        cache = kvdist.create(cfg_factory(gpu=32, device="cuda"))
+    def make(protect=True, table_rows=None):
+        seams = Seams(protect_staging=protect)
+        if table_rows:
+            seams.table_rows = table_rows
+        cache = kvdist.testing.create(cfg_factory(gpu=32, device="cuda"), seams)
         caches.append(cache)
-        if not protect:
-            cache.stager = Stager(cache.stager.upload, protect=False)
-        return cache
+        return cache, seams
     yield make
     for c in caches:
         c.close()
@@ -51,14 +54,14 @@ def gated(gate, fn):
 
 @PROTECT
 def test_1_table_row_rewritten_after_copy_queued(cuda_cache, gate, protect):
-    cache = cuda_cache(protect)
+    cache, seams = cuda_cache(protect)
 
     def steps():
         cache.begin_step()
         cache.add_sequence("a", T(0, 6))
         cache.add_sequence("b", T(100, 9))
         table = cache.block_table(["a", "b"])
-        baseline = host_view(cache, ["a", "b"])
+        baseline = host_view(seams, ["a", "b"])
         cache.end_step()
         cache.begin_step()
         cache.append_tokens("a", [7, 8, 9])  # "a" grows: its row is rewritten
@@ -93,15 +96,15 @@ def test_2_gather_indices_rewritten(gate, protect):
 
 @PROTECT
 def test_3_released_row_rebound_before_copy_ran(cuda_cache, gate, protect):
-    cache = cuda_cache(protect)
-    rows = cache.manager.host_table = TableRows(rows=2, width=2)
+    cache, seams = cuda_cache(protect, table_rows=2)  # two rows: "c" must take "a"'s
+    rows = seams.manager.host_table
 
     def steps():
         cache.begin_step()
         cache.add_sequence("a", T(0, 8))
         cache.add_sequence("b", T(100, 5))
         table = cache.block_table(["a", "b"])
-        baseline = host_view(cache, ["a", "b"])
+        baseline = host_view(seams, ["a", "b"])
         row_a = rows.row_of("a")
         cache.end_step()
         cache.begin_step()
@@ -119,14 +122,14 @@ def test_3_released_row_rebound_before_copy_ran(cuda_cache, gate, protect):
 
 @PROTECT
 def test_4_second_staged_copy_queued_behind_first(cuda_cache, gate, protect):
-    cache = cuda_cache(protect)
+    cache, seams = cuda_cache(protect)
 
     def steps():
         cache.begin_step()
         cache.add_sequence("a", T(0, 10))
         cache.add_sequence("b", T(100, 3))
         first = cache.block_table(["a", "b"])
-        baseline = host_view(cache, ["a", "b"])
+        baseline = host_view(seams, ["a", "b"])
         cache.end_step()
         cache.begin_step()
         second = cache.block_table(["b"])
@@ -164,9 +167,10 @@ def test_ring_exhausted_waits_for_the_oldest_copy(gate):
 def test_steady_state_stages_without_allocation_or_host_sync():
     """256 sequences x 128 blocks, a table every step: after warm-up no pinned allocation,
     no ring wait, and no synchronizing CUDA call (torch's sync debug mode would raise)."""
-    cache = kvdist.create({"model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
-                           "cache": {"tokens_per_block": 16, "device": "cuda",
-                                     "gpu": {"blocks": 256 * 136}}})
+    seams = Seams()
+    cache = kvdist.testing.create({"model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+                                   "cache": {"tokens_per_block": 16, "device": "cuda",
+                                             "gpu": {"blocks": 256 * 136}}}, seams)
     try:
         ids = list(range(256))
         rng = np.random.default_rng(0)
@@ -201,6 +205,6 @@ def test_steady_state_stages_without_allocation_or_host_sync():
         assert after["ring_waits"] == before["ring_waits"] == 0
         assert after["host_syncs"] == before["host_syncs"] == 0
         assert after["pinned"] and after["stages"] - before["stages"] == 32
-        assert torch.equal(tables[-1].cpu(), host_view(cache, ids))
+        assert torch.equal(tables[-1].cpu(), host_view(seams, ids))
     finally:
         cache.close()

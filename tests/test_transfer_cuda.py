@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.transfer import ALL_RULES
+import kvdist.testing
+from kvdist.testing import Seams
+from kvdist.transfer import ALL_RULES, OFFLOAD
 
 from .cuda_gate import SpinGate
-from .test_transfer_scenarios import SCENARIOS, SimHarness, fill, tag_of
+from .test_transfer_scenarios import SCENARIOS, SimHarness, fill, host_tag, tag_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -25,14 +27,11 @@ class CudaHarness:
     """The scenario driver of test_transfer_scenarios.py on CUDA."""
 
     def __init__(self, cfg: dict, rules=ALL_RULES, tracking: str = "slot", path: str | None = None):
-        self.cache = kvdist.create(cfg)
-        assert self.cache.device.type == "cuda" and self.cache._local.host.raw.is_pinned()
-        self.engine = self.cache.manager.engine
-        self.engine.rules, self.engine.tracking = rules, tracking
-        self.ex = self.cache._local.executor
-        if path:
-            self.ex.copier.path = path
-        self.ex.log = []
+        self.seams = Seams(rules=rules, tracking=tracking, copy_path=path, batch_log=[])
+        self.cache = kvdist.testing.create(cfg, self.seams)
+        assert self.cache.device.type == "cuda" and self.seams.host.raw.is_pinned()
+        self.engine = self.seams.engine
+        self.ex = self.seams.executor
         self.reused: dict[object, int] = {}
         self._gates: list[SpinGate] = []
         self.expired = 0
@@ -65,10 +64,10 @@ class CudaHarness:
         return lambda: tag_of(seen)
 
     def host_tag(self, slot: int):
-        return tag_of(self.cache._local.host.raw[slot].view(torch.float16))
+        return host_tag(self.seams, slot)
 
     def onboard_completes_while_offload_held(self) -> bool:
-        self.engine.last_event("onboard").synchronize()
+        self.ex.streams["onboard"].synchronize()  # the onboard batch is all it holds
         return not self._gates[0].expired
 
     def close(self) -> None:
@@ -118,23 +117,24 @@ def test_scenario_rule_off_goes_wrong_on_cuda(cfg_factory, name):
 
 def test_batched_path_is_used_and_visible_in_stats(cfg_factory):
     """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch."""
-    cache = kvdist.create(cfg_factory(gpu=64, host=64, device="cuda"))
+    seams = Seams()
+    cache = kvdist.testing.create(cfg_factory(gpu=64, host=64, device="cuda"), seams)
     try:
-        ex = cache._local.executor
+        ex = seams.executor
         if ex.copier.batch_api is None:
             pytest.skip("this CUDA runtime has no cudaMemcpyBatchAsync")
-        g, h = cache._local.gpu.raw, cache._local.host.raw
+        g, h = seams.gpu.raw, seams.host.raw
         g.copy_(torch.arange(g.numel(), device=g.device, dtype=torch.int64).to(torch.uint8).view_as(g))
         rng = np.random.default_rng(1)
         src, dst = rng.permutation(64)[:40], rng.permutation(64)[:40]
-        engine, G = cache.manager.engine, cache.manager.space.base[1]
+        engine, G = seams.engine, seams.manager.space.base[1]
         engine.begin_step()
         for s, d in zip(src.tolist(), dst.tolist()):
-            engine.copy(s, G + d)
+            engine.copy(OFFLOAD, s, G + d)
         engine.before_compute()
         cache.synchronize()
         assert torch.equal(h[torch.as_tensor(dst)], g[torch.as_tensor(src)].cpu())
-        st = ex.stats()
+        st = cache.stats()["transfer"]
         assert st["batches_by_path"] == {"memcpy-batch": 1}
         assert st["copy_calls_by_path"] == {"memcpy-batch": 1}
         assert cache.stats()["transfer_path"] == "memcpy-batch"
@@ -152,7 +152,7 @@ def test_disk_directions_on_worker_threads_keep_bytes(cfg_factory):
         s = cache.stats()
         assert s["hit_tokens"]["disk"] > 0 and s["blocks_moved"]["demote"] > 0
         assert d.mismatched_tokens == 0, d.first_mismatch
-        print(f"\nCUDA churn with disk workers: {cache._local.executor.stats()}")
+        print(f"\nCUDA churn with disk workers: {s['transfer']}")
     finally:
         cache.close()
 

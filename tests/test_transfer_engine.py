@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvdist.blocks import SlotSpace
-from kvdist.transfer.engine import TransferEngine
+from kvdist.transfer import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, EngineSeams, Route, TransferEngine
 
 
 class _Event:
@@ -27,14 +27,11 @@ class RecordingExecutor:
         self.batches: list[tuple[str, list[int], list[int], set[int]]] = []
         self.compute_events = 0
 
-    def submit(self, stream, direction, src, dst, deps):
-        from kvdist.transfer.engine import _TIERS_OF
-
-        ts, td = _TIERS_OF[direction]
-        src = (np.asarray(src) + self.space.base[ts]).tolist()
-        dst = (np.asarray(dst) + self.space.base[td]).tolist()
+    def submit(self, route, src, dst, deps):
+        src = (np.asarray(src) + self.space.base[route.src]).tolist()
+        dst = (np.asarray(dst) + self.space.base[route.dst]).tolist()
         assert all(isinstance(e, _Event) for e in deps), deps
-        self.batches.append((direction, src, dst, {e.index for e in deps if e.index >= 0}))
+        self.batches.append((route.name, src, dst, {e.index for e in deps if e.index >= 0}))
         return _Event(len(self.batches) - 1)
 
     def record_compute(self):
@@ -76,15 +73,26 @@ def _check_s2(batches) -> None:
                 assert i in reach[j], f"batch {j} ({dj}) does not wait for batch {i}: shares {shared}"
 
 
-def _random_moves(rng, space: SlotSpace, n: int) -> tuple[list[int], list[int]]:
-    pairs = [(0, 1), (1, 0), (1, 2), (0, 2), (2, 0)]  # offload, onboard, demote, spill, fetch
-    a, b = pairs[rng.integers(len(pairs))] if rng.random() < 0.8 else (None, None)
-    src, dst = [], []
+def _random_moves(rng, space: SlotSpace, n: int) -> list[tuple[Route, int, int]]:
+    """``n`` random copies (route, global src, global dst): of one route 80% of the time."""
+    routes = [OFFLOAD, ONBOARD, DEMOTE, SPILL, FETCH]
+    one = routes[rng.integers(len(routes))] if rng.random() < 0.8 else None
+    moves = []
     for _ in range(n):
-        ta, tb = (a, b) if a is not None else pairs[rng.integers(len(pairs))]
-        src.append(int(space.base[ta] + rng.integers(space.capacity[ta])))
-        dst.append(int(space.base[tb] + rng.integers(space.capacity[tb])))
-    return src, dst
+        r = one or routes[rng.integers(len(routes))]
+        moves.append((r, int(space.base[r.src] + rng.integers(space.capacity[r.src])),
+                       int(space.base[r.dst] + rng.integers(space.capacity[r.dst]))))
+    return moves
+
+
+def _queue(engine: TransferEngine, moves: list[tuple[Route, int, int]], bulk: bool) -> None:
+    """``moves`` in one ``copy_many`` call when ``bulk`` and they share a route, else one
+    ``copy`` each."""
+    if bulk and len({r for r, _, _ in moves}) == 1:
+        engine.copy_many(moves[0][0], [s for _, s, _ in moves], [d for _, _, d in moves])
+    else:
+        for r, s, d in moves:
+            engine.copy(r, s, d)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -97,13 +105,9 @@ def test_every_conflict_is_ordered_and_nothing_is_lost(seed):
     for _step in range(25):
         engine.begin_step()
         for _call in range(int(rng.integers(1, 6))):
-            src, dst = _random_moves(rng, space, int(rng.integers(1, 9)))
-            wanted += zip(src, dst)
-            if rng.random() < 0.5:
-                engine.copy_many(src, dst)
-            else:
-                for s, d in zip(src, dst):
-                    engine.copy(s, d)
+            moves = _random_moves(rng, space, int(rng.integers(1, 9)))
+            wanted += [(s, d) for _, s, d in moves]
+            _queue(engine, moves, bulk=rng.random() < 0.5)
             engine.check_invariants()
         engine.before_compute()
         engine.check_invariants()
@@ -118,11 +122,11 @@ def test_the_checker_catches_a_missing_wait():
     rng = np.random.default_rng(3)
     space = SlotSpace((12, 16, 8))
     ex = RecordingExecutor(space)
-    engine = TransferEngine(space, ex, rules=frozenset({"S4", "S5"}))
+    engine = TransferEngine(space, ex, seams=EngineSeams(rules=frozenset({"S4", "S5"})))
     for _step in range(10):
         engine.begin_step()
         for _call in range(4):
-            engine.copy_many(*_random_moves(rng, space, 6))
+            _queue(engine, _random_moves(rng, space, 6), bulk=True)
         engine.before_compute()
     with pytest.raises(AssertionError, match="does not wait|writes one slot twice|reads and writes"):
         _check_s2(ex.batches)
@@ -133,8 +137,8 @@ def test_copy_many_flushes_an_open_batch_reading_a_slot_it_overwrites():
     ex = RecordingExecutor(space)
     engine = TransferEngine(space, ex)
     engine.begin_step()
-    engine.copy_many([0, 1], [4, 5])  # offload gpu 0, 1 -> host 0, 1
-    engine.copy_many([6, 7], [1, 2])  # onboard into gpu 1 (being read): flushes the offload first
+    engine.copy_many(OFFLOAD, [0, 1], [4, 5])  # gpu 0, 1 -> host 0, 1
+    engine.copy_many(ONBOARD, [6, 7], [1, 2])  # into gpu 1 (being read): flushes the offload first
     engine.check_invariants()
     engine.before_compute()
     assert [(d, s, t) for d, s, t, _ in ex.batches] == [

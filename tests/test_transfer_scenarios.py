@@ -1,7 +1,8 @@
 """The five transfer races of issue 3, each built through ``kvdist.create`` and the cache
 API with tiny tiers, so every slot id is known and asserted.
 
-Each scenario runs with its rule of DESIGN §4 and without it: with the rule the
+Each scenario runs with its rule (docs/design.md, "Synchronization rules") and without
+it, switched off through the cache's test seams: with the rule the
 bytes are exact, without it they are wrong (scenario 4: see its docstring). Here the
 streams are simulated (``simulate_async``): nothing runs until something that must
 follow it waits, adversarially ordered, and a test may hold a stream. The same
@@ -18,7 +19,9 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.transfer import ALL_RULES, SimDeadlock
+import kvdist.testing
+from kvdist.testing import Seams
+from kvdist.transfer import ALL_RULES, OFFLOAD, ONBOARD, SimDeadlock
 
 # Prompts of one block each (4 tokens), distinct from one another.
 A, B, C, D, S, V, X, Y, Z = ([10 * i + k for k in range(1, 5)] for i in range(1, 10))
@@ -29,11 +32,10 @@ class SimHarness:
     """Drives a CPU cache whose copies run on simulated streams."""
 
     def __init__(self, cfg: dict, rules=ALL_RULES, tracking: str = "slot"):
-        self.cache = kvdist.create(cfg)
-        self.engine = self.cache.manager.engine
-        self.engine.rules, self.engine.tracking = rules, tracking
-        self.ex = self.cache._local.executor
-        self.ex.log = []
+        self.seams = Seams(rules=rules, tracking=tracking, batch_log=[])
+        self.cache = kvdist.testing.create(cfg, self.seams)
+        self.engine = self.seams.engine
+        self.ex = self.seams.executor
         self.reused: dict[object, int] = {}
         self._held: list[str] = []
 
@@ -71,7 +73,7 @@ class SimHarness:
         return lambda: out["v"]
 
     def host_tag(self, slot: int):
-        return tag_of(self.cache._local.host.raw[slot].view(torch.float16))
+        return host_tag(self.seams, slot)
 
     def queued(self) -> int:
         return self.ex.queued()
@@ -83,12 +85,12 @@ class SimHarness:
     # -- steps -----------------------------------------------------------------------------
     def add(self, sid, tokens: list[int], prio: int) -> list[int]:
         self.reused[sid] = self.cache.add_sequence(sid, tokens, prio)
-        return list(self.cache.manager.seqs[sid].slots)
+        return list(self.seams.manager.seqs[sid].slots)
 
     def compute(self, sid, tag: float) -> None:
         """The forward pass writes ``tag`` into the blocks it computes (not the reused ones)."""
         tpb = self.cache.layout.tokens_per_block
-        for slot in self.cache.manager.seqs[sid].slots[self.reused[sid] // tpb:]:
+        for slot in self.seams.manager.seqs[sid].slots[self.reused[sid] // tpb:]:
             fill(self.cache, slot, tag)
 
     def prefill(self, sid, tokens: list[int], prio: int, tag: float) -> list[int]:
@@ -106,11 +108,11 @@ class SimHarness:
 
     def mark(self) -> None:
         """Forget the batches submitted so far (``moves`` starts from here)."""
-        self.ex.log.clear()
+        self.seams.batch_log.clear()
 
     def moves(self, direction: str) -> list[tuple[list[int], list[int]]]:
         """(source, destination) tier-local slots of the batches of ``direction`` since ``mark``."""
-        return [(s, d) for dirn, s, d in self.ex.log if dirn == direction]
+        return [(s, d) for name, s, d in self.seams.batch_log if name == direction]
 
 
 def fill(cache, slot: int, tag: float) -> None:
@@ -126,6 +128,10 @@ def tag_of(values: torch.Tensor):
 
 def block_tag(cache, slot: int):
     return tag_of(torch.stack([cache.kv_pool(layer)[slot] for layer in range(cache.layout.num_layers)]))
+
+
+def host_tag(seams: Seams, slot: int):
+    return tag_of(seams.host.raw[slot].view(torch.float16))
 
 
 # -- the scenarios (shared with test_transfer_cuda.py) ------------------------------------------
@@ -227,7 +233,7 @@ def onboard_into_offloading_slot(h) -> dict:
     h.go()
     c.end_step()
     c.synchronize()
-    got["X reused"] = block_tag(c, c.manager.seqs["x2"].slots[0])
+    got["X reused"] = block_tag(c, h.seams.manager.seqs["x2"].slots[0])
     c.release("x2")
     c.check_invariants()
     return got
@@ -251,13 +257,13 @@ def gpu_and_host_slot0(h) -> dict:
     c = h.cache
     tag = {"X": 60.0, "Y": 50.0}
     fill(c, 1, tag["X"])
-    c._local.host.raw[1].view(torch.float16).fill_(tag["Y"])
-    G = c.manager.space.base[1]  # global id of host slot 0
+    h.seams.host.raw[1].view(torch.float16).fill_(tag["Y"])
+    G = h.seams.manager.space.base[1]  # global id of host slot 0
     c.synchronize()
     c.begin_step()
     h.hold("offload")
-    h.engine.copy(1, G + 0)  # X: GPU slot 1 -> host slot 0
-    h.engine.copy(G + 1, 0)  # Y: host slot 1 -> GPU slot 0
+    h.engine.copy(OFFLOAD, 1, G + 0)  # X: GPU slot 1 -> host slot 0
+    h.engine.copy(ONBOARD, G + 1, 0)  # Y: host slot 1 -> GPU slot 0
     h.engine.flush()
     independent = h.onboard_completes_while_offload_held()
     h.release_all()
@@ -342,7 +348,7 @@ SCENARIOS = {
 class _SimHarness4(SimHarness):
     def onboard_completes_while_offload_held(self) -> bool:
         try:
-            self.ex.force(self.engine.last_event("onboard"))
+            self.ex.force(self.ex.streams["onboard"].last)  # the onboard batch
         except SimDeadlock:
             return False
         return True
@@ -403,36 +409,32 @@ def test_copy_many_is_copy_one_by_one(cfg_factory):
     loop, including when the copies conflict with open batches or among themselves."""
     results = []
     for bulk in (False, True):
-        cache = kvdist.create(cfg_factory(gpu=16, host=16, simulate_async=True))
+        seams = Seams(batch_log=[])
+        cache = kvdist.testing.create(cfg_factory(gpu=16, host=16, simulate_async=True), seams)
         try:
-            ex, engine, G = cache._local.executor, cache.manager.engine, cache.manager.space.base[1]
-            ex.log = []
+            engine, G = seams.engine, seams.manager.space.base[1]
             for slot in range(16):
                 fill(cache, slot, float(slot + 1))
             rounds = [
-                ([3, 1, 2, 9], [G + 0, G + 5, G + 6, G + 7]),  # offload
-                ([G + 5, G + 6], [10, 11]),  # onboard: reads host slots being written
-                ([4, 5], [G + 8, G + 8]),  # two offloads into one host slot: a hazard inside
-                ([G + 0, G + 8], [12, 13]),  # onboard again
+                (OFFLOAD, [3, 1, 2, 9], [G + 0, G + 5, G + 6, G + 7]),
+                (ONBOARD, [G + 5, G + 6], [10, 11]),  # reads host slots being written
+                (OFFLOAD, [4, 5], [G + 8, G + 8]),  # two offloads into one host slot: a hazard inside
+                (ONBOARD, [G + 0, G + 8], [12, 13]),
             ]
             engine.begin_step()
-            for src, dst in rounds:
+            for route, src, dst in rounds:
                 if bulk:
-                    engine.copy_many(src, dst)
+                    engine.copy_many(route, src, dst)
                 else:
                     for s, d in zip(src, dst):
-                        engine.copy(s, d)
+                        engine.copy(route, s, d)
             engine.before_compute()
             cache.synchronize()
-            results.append((ex.log, [block_tag(cache, s) for s in range(16)],
-                            [h_tag(cache, s) for s in range(16)], engine.stats.conflict_flushes,
+            results.append((seams.batch_log, [block_tag(cache, s) for s in range(16)],
+                            [host_tag(seams, s) for s in range(16)], engine.stats.conflict_flushes,
                             engine.stats.waits))
         finally:
             cache.close()
     assert results[0] == results[1]
     log, gpu_tags, host_tags, flushes, waits = results[0]
     assert gpu_tags[10:14] == [2.0, 3.0, 4.0, 6.0] and host_tags[8] == 6.0 and flushes == 3
-
-
-def h_tag(cache, slot: int):
-    return tag_of(cache._local.host.raw[slot].view(torch.float16))

@@ -35,7 +35,6 @@ import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
-from ..blocks import GPU, HOST
 from ..cache import KVCache, create
 from ..layout import KVLayout
 
@@ -84,8 +83,8 @@ def fill(cache: KVCache, tokens: Tokens, label: str) -> None:
     later ones need their slots; once the GPU tier's blocks plus ``FILL`` of the host
     tier exist, one-token sequences take the last tenth of the GPU slots (pushing that
     many more blocks down) and are released, which frees those slots."""
-    m = cache.manager
-    gpu, host = m.space.capacity[GPU], m.space.capacity[HOST]
+    capacity = cache.stats()["capacity_blocks"]
+    gpu, host = capacity["gpu"], capacity["host"]
     gpu_free = gpu - int(FILL * gpu)
     host_target = int(FILL * host)
     total = gpu + host_target - gpu_free  # full blocks to create
@@ -119,10 +118,11 @@ def fill(cache: KVCache, tokens: Tokens, label: str) -> None:
     for sid in ids:
         cache.release(sid)
     cache.synchronize()
-    used = cache.stats()["blocks_used"]
+    stats = cache.stats()
+    used = stats["blocks_used"]
     assert used == {"gpu": gpu - gpu_free, "host": host_target}, f"fill left {used}"
-    assert not m.seqs and len(m.lru[GPU]) == used["gpu"] and len(m.lru[HOST]) == used["host"], \
-        "a filled block is referenced"
+    # No sequence holds a block, so every used one is cached and evictable.
+    assert stats["sequences"] == 0, "a filled block is referenced"
 
 
 def short_step(cache: KVCache, sid: object, tokens: list[int]) -> float:
@@ -149,9 +149,9 @@ def interleaved_steps(caches: list[KVCache], n: int, tokens: Tokens, tag: str) -
 
 
 def run_until(cache: KVCache, tokens: Tokens, tag: str, done) -> int:
-    """Short steps (untimed) until ``done(manager)``; returns how many."""
+    """Short steps (untimed) until ``done(cache.stats())``; returns how many."""
     i = 0
-    while not done(cache.manager):
+    while not done(cache.stats()):
         short_step(cache, (tag, i), tokens.take(STEP_TOKENS))
         i += 1
     return i
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
             ["90% full", per(mem.traced_full, blocks), per(mem.rss_full, blocks), "128"]]
     print("Python-side memory beyond the tiers' own bytes, large cache, bytes per block")
     print(tabulate(rows, headers=["state", "tracemalloc", "RSS growth", "goal <="], disable_numparse=True))
-    arrays = big.manager.metadata_bytes() / blocks
+    arrays = big.stats()["metadata_bytes"] / blocks
     print(f"(per-slot arrays of the manager and transfer engine: {arrays:.1f} B per block; small cache: "
           f"{per(small_mem.traced_empty, sum(small))} empty by tracemalloc, "
           f"{per(small_mem.rss_full, sum(small))} full by RSS)\n")
@@ -247,11 +247,11 @@ def main(argv: list[str]) -> int:
     regimes = [(f"90% full ({n} steps, free GPU slots)", interleaved_steps(caches, n, tokens, "a"))]
     # The GPU tier full: every step now offloads its 4 blocks' worth of victims.
     for c, tag in zip(caches, "bc"):
-        run_until(c, tokens, tag, lambda m: len(m.free[GPU]) == 0)
+        run_until(c, tokens, tag, lambda s: s["blocks_free"]["gpu"] == 0)
     regimes.append((f"GPU full ({args.steps} steps, offload 4 gpu->host)",
                     interleaved_steps(caches, args.steps, tokens, "d")))
     for c, tag in zip(caches, "ef"):
-        run_until(c, tokens, tag, lambda m: len(m.free[HOST]) == 0)
+        run_until(c, tokens, tag, lambda s: s["blocks_free"]["host"] == 0)
     regimes.append((f"both tiers full ({args.steps} steps, offload 4, drop 4)",
                     interleaved_steps(caches, args.steps, tokens, "g")))
     rows = []

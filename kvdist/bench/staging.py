@@ -28,8 +28,8 @@ import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
-from ..cache import create
 from ..candidate import select_device
+from ..testing import Seams, create
 
 
 def _old_table(manager, ids: list, device: torch.device) -> torch.Tensor:
@@ -64,18 +64,19 @@ def main(argv: list[str]) -> int:
     device = select_device(args.device)
     tpb = args.tokens_per_block
     growth = -(-args.decode_steps // tpb) + 2
+    seams = Seams()  # the stages of block_table are timed one by one
     cache = create({"model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float16"},
                     "cache": {"tokens_per_block": tpb, "device": str(device),
                               "gpu": {"blocks": args.seqs * (args.blocks + growth)},
-                              "host": {"bytes": 0}, "enable_reuse": True}})
+                              "host": {"bytes": 0}, "enable_reuse": True}}, seams)
     try:
-        return _run(cache, args, device)
+        return _run(cache, seams, args, device)
     finally:
         cache.close()
 
 
-def _run(cache, args, device: torch.device) -> int:
-    m, stager, host_table = cache.manager, cache.stager, cache.manager.host_table
+def _run(cache, seams: Seams, args, device: torch.device) -> int:
+    m, stager, host_table = seams.manager, seams.stager, seams.manager.host_table
     cuda = device.type == "cuda"
     clock = time.perf_counter
     rng = np.random.default_rng(args.seed)

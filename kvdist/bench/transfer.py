@@ -96,19 +96,18 @@ def _matmul_time(a: torch.Tensor, iters: int) -> float:
 
 
 def _one_size(label: str, bpb: int, n: int, timer: Timer, path: str | None, rounds: int) -> dict:
-    import kvdist
+    from ..testing import Seams, create
+    from ..transfer import OFFLOAD, ONBOARD
 
     tpb = bpb // (2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * MODEL["head_dim"] * 2)
     cfg = {"model": MODEL, "cache": {"tokens_per_block": tpb, "device": "cuda", "gpu": {"blocks": 2 * n},
                                      "host": {"bytes": 2 * n * bpb}, "enable_reuse": False}}
-    cache = kvdist.create(cfg)
+    seams = Seams(copy_path=path)  # the engine and the copier are timed on their own too
+    cache = create(cfg, seams)
     try:
         assert cache.layout.bytes_per_block == bpb, (cache.layout.bytes_per_block, bpb)
-        ex = cache._local.executor
-        if path:
-            ex.copier.path = path
-        engine = cache.manager.engine
-        g, h = cache._local.gpu.raw, cache._local.host.raw
+        ex, engine = seams.executor, seams.engine
+        g, h = seams.gpu.raw, seams.host.raw
         g.view(torch.uint8).fill_(7)
         rng = np.random.default_rng(0)
         g_perm, h_perm = rng.permutation(2 * n), rng.permutation(2 * n)
@@ -120,7 +119,7 @@ def _one_size(label: str, bpb: int, n: int, timer: Timer, path: str | None, roun
         other = torch.cuda.Stream()
         # The host tier is registered with CUDA in chunks and one DMA copy must stay
         # inside one: the "contiguous" ceiling is one copy per chunk (>= 1 GiB each).
-        chunk = cache._local.host.chunk_blocks or 2 * n
+        chunk = seams.host.chunk_blocks or 2 * n
         pieces, pieces_b = _pieces(0, n, chunk), _pieces(n, 2 * n, chunk)
 
         def contiguous(direction: str):
@@ -148,20 +147,20 @@ def _one_size(label: str, bpb: int, n: int, timer: Timer, path: str | None, roun
 
         def kvdist_step(moves, bulk: bool):
             engine.begin_step()
-            for srcs, dsts in moves:
+            for route, srcs, dsts in moves:
                 if bulk:
-                    engine.copy_many(srcs, dsts)
+                    engine.copy_many(route, srcs, dsts)
                 else:
                     for s, d in zip(srcs, dsts):
-                        engine.copy(s, d)
+                        engine.copy(route, s, d)
             engine.before_compute()
 
         # Every variant once per round, rounds interleaved, so a slow phase of the host
         # or the link hits all of them alike; a figure is the median over the rounds.
         ga, ha = np.asarray(gpu_a), h_perm[:n]
         hb, gb = h_perm[n:], np.asarray(gpu_b)
-        ck = cache._local.host.chunk_blocks
-        off, on = [(gpu_a, host_a)], [(host_b, gpu_b)]
+        ck = seams.host.chunk_blocks
+        off, on = [(OFFLOAD, gpu_a, host_a)], [(ONBOARD, host_b, gpu_b)]
         variants = {
             "ceiling D2H": (lambda: contiguous("d2h"), nbytes),
             "ceiling H2D": (lambda: contiguous("h2d"), nbytes),

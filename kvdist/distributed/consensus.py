@@ -262,7 +262,7 @@ class _Protocol:
         warnings.warn(
             f"kvdist: running without the host tier on all {self.comm.size} rank(s) "
             f"(USE_NO_HOST): the host tier could not be had on {pinned_less}",
-            HostTierWarning, stacklevel=4)
+            HostTierWarning, stacklevel=5)  # the caller of kvdist.create (-> build -> establish)
 
         assert capacity is not None
         if teardown_error is None:

@@ -214,12 +214,11 @@ class Simulation:
         block table and the onboarded blocks exist only once their queued copies ran, so
         the work is queued as a kernel on the simulated compute stream behind them and
         forced: reading them any earlier is the bug simulation exists to expose."""
-        executor = self.cache.manager.engine.executor  # no public hook for simulated kernels
-        kernel = getattr(executor, "kernel", None)
-        if kernel is None:
+        compute = self.cache.simulated_compute
+        if compute is None:
             work()
         else:
-            executor.force(kernel(work))
+            compute.force(compute.kernel(work))
 
     # -- the checks ------------------------------------------------------------------------------
     def _check_reused(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> None:

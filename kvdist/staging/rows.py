@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PAD = -1
+DEFAULT_ROWS = 64  # initial rows of a table (it grows)
 
 
 @dataclass(slots=True)
@@ -27,7 +28,7 @@ class _Row:
 class TableRows:
     """Rows for objects with a ``slots`` sequence of ints, keyed by sequence id."""
 
-    def __init__(self, rows: int = 64, width: int = 32):
+    def __init__(self, rows: int = DEFAULT_ROWS, width: int = 32):
         assert rows > 0 and width > 0, f"bad initial table shape {rows}x{width}"
         self.table = np.full((rows, width), PAD, dtype=np.int32)
         self._bound: dict[Hashable, _Row] = {}

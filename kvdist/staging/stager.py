@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .uploads import CudaH2D, ImmediateH2D, SimH2D
+from .uploads import Upload
 
 DEFAULT_SLOTS = 4  # two steps in flight (one ahead), two stages per step
 MIN_SLOT_BYTES = 4096
@@ -52,7 +52,7 @@ class Stager:
     docstring. Two ways to stage: ``stage(array)``, or ``host_buffer`` then fill it
     in place (no intermediate array) then ``upload_buffer``."""
 
-    def __init__(self, upload: CudaH2D | SimH2D | ImmediateH2D, *, slots: int = DEFAULT_SLOTS,
+    def __init__(self, upload: Upload, *, slots: int = DEFAULT_SLOTS,
                  protect: bool = True):
         assert slots >= 1, f"a ring needs at least one slot, got {slots}"
         self.upload = upload

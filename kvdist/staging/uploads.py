@@ -1,4 +1,5 @@
-"""How a staged host buffer reaches the device: one class per kind of executor.
+"""How a staged host buffer reaches the device (the ``Upload`` contract), one class per
+kind of executor; ``kvdist.backend`` builds the one that matches the cache's executor.
 
 Each returns ``(device tensor, marker)`` for a copy it has *queued* (not necessarily
 run), and knows whether a marker is complete and how to wait for it. The stager owns
@@ -7,10 +8,37 @@ the host buffers and decides, from the markers, when a buffer may be written aga
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
 from ..transfer.simulated import SimExecutor
+
+__all__ = ["POISON", "CudaH2D", "ImmediateH2D", "SimH2D", "Upload"]
+
+
+class Upload(Protocol):
+    path: str  # "cuda", "simulated" or "immediate"
+    pinned: bool  # whether ``alloc`` gives page-locked memory
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of ``nbytes`` that copies can read from."""
+        ...
+
+    def to_device(self, src: torch.Tensor, stream=None, reuse=None) -> tuple[torch.Tensor, object]:
+        """Queue the copy of ``src`` to the device (on ``stream``, the compute stream by
+        default); returns the device tensor and the copy's marker (``reuse``: the
+        previous marker of the same buffer, which may be recycled)."""
+        ...
+
+    def is_done(self, marker) -> bool:
+        """Whether the copy ``marker`` stands for has run (None: no copy)."""
+        ...
+
+    def wait(self, marker) -> None:
+        """Block the host until that copy has run."""
+        ...
 
 
 def _cpu_empty(like: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
@@ -115,12 +143,3 @@ class ImmediateH2D:
     @staticmethod
     def wait(marker) -> None:
         pass
-
-
-def upload_for(device: torch.device, executor) -> CudaH2D | SimH2D | ImmediateH2D:
-    """The upload path matching the cache's device and tier executor."""
-    if device.type == "cuda":
-        return CudaH2D(device)
-    if isinstance(executor, SimExecutor):
-        return SimH2D(executor)
-    return ImmediateH2D()

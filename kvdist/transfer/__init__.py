@@ -1,10 +1,14 @@
 """Moving blocks between tiers: per-slot ordering (rules S1, S2), step barriers (S4,
 S5), batching, and the executors that do the copies (immediate, simulated-async on
-CPU, CUDA streams)."""
+CPU, CUDA streams) under one contract (``contract.Executor``)."""
 
-from .engine import ALL_RULES, DIRECTIONS, TransferEngine
-from .executors import HostCopies, SyncExecutor
+from .contract import Event, Executor, ExecutorCounters, SimulatedCompute
+from .engine import ALL_RULES, EngineSeams, TransferEngine
+from .executors import BatchLog, HostCopies, NullExecutor, SyncExecutor
+from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, ROUTE_NAMES, ROUTES, SPILL, Route, route
 from .simulated import SimDeadlock, SimExecutor
 
-__all__ = ["ALL_RULES", "DIRECTIONS", "HostCopies", "SimDeadlock", "SimExecutor",
-           "SyncExecutor", "TransferEngine"]
+__all__ = ["ALL_RULES", "DEMOTE", "FETCH", "OFFLOAD", "ONBOARD", "ROUTES", "ROUTE_NAMES", "SPILL",
+           "BatchLog", "EngineSeams", "Event", "Executor", "ExecutorCounters", "HostCopies",
+           "NullExecutor", "Route", "SimDeadlock", "SimExecutor", "SimulatedCompute", "SyncExecutor",
+           "TransferEngine", "route"]

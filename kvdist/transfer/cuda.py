@@ -28,6 +28,11 @@ import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
 from .batchcopy import BatchCopier
+from .contract import Event, ExecutorCounters
+from .executors import BatchLog
+from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, Route
+
+__all__ = ["CudaExecutor", "DiskOp"]
 
 
 @dataclass(slots=True, eq=False)
@@ -37,7 +42,7 @@ class DiskOp:
     memory (spill: GPU -> bounce done; fetch: bounce -> GPU, queued once the read is
     done), None for a demotion."""
 
-    direction: str
+    route: Route
     future: Future
     bounce: torch.Tensor | None = None
     gpu_event: torch.cuda.Event | None = None
@@ -47,24 +52,20 @@ class DiskOp:
     @property
     def gpu_pending(self) -> bool:
         """A fetch whose GPU half is not queued yet."""
-        return self.direction == "fetch" and self.gpu_event is None
-
-
-@dataclass(slots=True)
-class ExecutorCounters:
-    host_waits: int = 0  # times the host blocked on unfinished disk work
-    host_wait_seconds: float = 0.0
-    disk_batches: int = 0
+        return self.route is FETCH and self.gpu_event is None
 
 
 class CudaExecutor:
     """Batched asynchronous copies on side streams; ordering is the engine's."""
 
+    simulated_compute = None
+
     def __init__(self, gpu: GpuPool, host: HostPool | None, disk: DiskPool | None,
-                 device: torch.device, *, path: str | None = None, disk_threads: int = 2):
+                 device: torch.device, *, path: str | None = None, disk_threads: int = 2,
+                 log: BatchLog | None = None):
         self.gpu, self.host, self.disk, self.device = gpu, host, disk, device
         self.copier = BatchCopier(device, prefer=path)
-        self.streams = {"offload": torch.cuda.Stream(device), "onboard": torch.cuda.Stream(device)}
+        self.streams = {name: torch.cuda.Stream(device) for name in (OFFLOAD.stream, ONBOARD.stream)}
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._workers = (ThreadPoolExecutor(disk_threads, thread_name_prefix="kvdist-xfer-disk",
                                             initializer=torch.cuda.set_device, initargs=(index,))
@@ -74,13 +75,15 @@ class CudaExecutor:
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (keep bounces alive)
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
-        self.log: list[tuple[str, list[int], list[int]]] | None = None  # tests: (direction, src, dst)
+        self.log = log
+        self._handlers = {OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
+                          SPILL: self._spill, FETCH: self._fetch}
 
     @property
     def path(self) -> str:
         return self.copier.path
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         c = self.copier
         return {"path": c.path, "batches_by_path": dict(c.batches), "copy_calls_by_path": dict(c.api_calls),
                 "blocks": c.blocks, "host_waits_on_disk": self.counters.host_waits,
@@ -100,12 +103,10 @@ class CudaExecutor:
     def _finish_fetch(self, op: DiskOp) -> None:
         """Queue the GPU half of a fetch (the host waits for its read if needed)."""
         self._host_wait(op.future)
-        st = self.streams["onboard"]
+        st = self.streams[ONBOARD.stream]
         self._gpu_wait(st, op.gpu_deps, writes_host=False)
         self.copier.copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
-        ev = torch.cuda.Event()
-        ev.record(st)
-        op.gpu_event, op.gpu_deps = ev, []
+        op.gpu_event, op.gpu_deps = self._record(st), []
 
     def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, writes_host: bool) -> None:
         """``stream`` waits for the GPU side of ``deps``. A demotion has none; but it
@@ -140,52 +141,62 @@ class CudaExecutor:
             self._inflight.popleft()
 
     # -- the executor interface ---------------------------------------------------------------------
-    def submit(self, stream: str, direction: str, src, dst, deps: list):
+    def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
         """Queue one batch (local slot indices, lists or int64 arrays) after ``deps``."""
         s = np.asarray(src, dtype=np.int64)
         d = np.asarray(dst, dtype=np.int64)
         if self.log is not None:
-            self.log.append((direction, s.tolist(), d.tolist()))
-        if direction in ("offload", "onboard"):
-            self._pump()
-            st = self.streams[stream]
-            self._gpu_wait(st, deps, writes_host=direction == "offload")
-            if direction == "offload":
-                self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
-            else:
-                self.copier.copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
-            ev = torch.cuda.Event()
-            ev.record(st)
-            return ev
-        return self._submit_disk(direction, s, d, deps)
-
-    def _submit_disk(self, direction: str, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+            self.log.append((route.name, s.tolist(), d.tolist()))
         self._pump()
-        workers = self._workers
+        return self._handlers[route](s, d, deps)
+
+    # -- one handler per route ------------------------------------------------------------------------
+    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
+        st = self.streams[OFFLOAD.stream]
+        self._gpu_wait(st, deps, writes_host=True)
+        self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
+        return self._record(st)
+
+    def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
+        st = self.streams[ONBOARD.stream]
+        self._gpu_wait(st, deps, writes_host=False)
+        self.copier.copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
+        return self._record(st)
+
+    def _demote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+        # The CPU reads the host rows: no registration limit.
+        rows = [self.host.raw[i] for i in s.tolist()]
+        return self._disk_op(DiskOp(DEMOTE, self._workers.submit(self._write_task, deps, d.tolist(), rows)))
+
+    def _spill(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+        bounce = self._bounce(len(s))
+        st = self.streams[OFFLOAD.stream]
+        self._gpu_wait(st, deps, writes_host=False)
+        self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
+        ev = self._record(st)
+        disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
+        fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), list(bounce))
+        return self._disk_op(DiskOp(SPILL, fut, bounce, gpu_event=ev))
+
+    def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+        bounce = self._bounce(len(s))
+        disk_deps = [e for e in deps if isinstance(e, DiskOp)]
+        fut = self._workers.submit(self._read_task, disk_deps, s.tolist(), list(bounce))
+        return self._disk_op(DiskOp(FETCH, fut, bounce, gpu_slots=d, gpu_deps=list(deps)))
+
+    def _bounce(self, n: int) -> torch.Tensor:
+        return torch.empty((n, self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def _disk_op(self, op: DiskOp) -> DiskOp:
         self.counters.disk_batches += 1
-        if direction == "demote":  # the CPU reads the host rows: no registration limit
-            rows = [self.host.raw[i] for i in s.tolist()]
-            fut = workers.submit(self._write_task, deps, d.tolist(), rows)
-            op = DiskOp(direction, fut)
-        elif direction == "spill":
-            bounce = torch.empty((len(s), self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
-            st = self.streams["offload"]
-            self._gpu_wait(st, deps, writes_host=False)
-            self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
-            ev = torch.cuda.Event()
-            ev.record(st)
-            disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
-            fut = workers.submit(self._write_task, disk_deps, d.tolist(), list(bounce))
-            op = DiskOp(direction, fut, bounce, gpu_event=ev)
-        elif direction == "fetch":
-            bounce = torch.empty((len(s), self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
-            disk_deps = [e for e in deps if isinstance(e, DiskOp)]
-            fut = workers.submit(self._read_task, disk_deps, s.tolist(), list(bounce))
-            op = DiskOp(direction, fut, bounce, gpu_slots=d, gpu_deps=list(deps))
-        else:
-            raise AssertionError(f"unknown direction {direction}")
         self._inflight.append(op)
-        if direction != "demote":
+        if op.route is not DEMOTE:
             self._unsettled.append(op)
         return op
 
@@ -197,13 +208,11 @@ class CudaExecutor:
         self._worker_wait(deps)
         self.disk.read_blocks(slots, rows)
 
-    def record_compute(self):
+    def record_compute(self) -> torch.cuda.Event:
         self._pump()
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return self._record(torch.cuda.current_stream(self.device))
 
-    def compute_wait(self, events: list) -> None:
+    def compute_wait(self, events: list[Event]) -> None:
         """S5: the compute stream waits for ``events`` and for the GPU half of every
         disk batch not waited for yet (disk batches finish in any order, so the last
         one of the 'disk stream' does not stand for the earlier ones)."""
@@ -229,7 +238,7 @@ class CudaExecutor:
             st.synchronize()
         self._inflight.clear()
 
-    def is_done(self, event) -> bool:
+    def is_done(self, event: Event | None) -> bool:
         if event is None:
             return True
         if isinstance(event, DiskOp):

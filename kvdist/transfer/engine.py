@@ -1,11 +1,11 @@
 """The transfer engine: turns a stream of single-block copies into ordered batches.
 
-Rules enforced here (DESIGN §4):
+Rules enforced here (docs/design.md, "Synchronization rules"):
 
 * S1 — pending copies are tracked per *physical slot*, in the global slot space where
-  slot 0 of one tier never aliases slot 0 of another. (``tracking="block"`` keys them
-  by the block's identity and ``tracking="local"`` by tier-local index instead; both
-  are the bugs S1 forbids, kept so the tests can show that they corrupt.)
+  slot 0 of one tier never aliases slot 0 of another. (``EngineSeams.tracking``
+  "block" keys them by the block's identity and "local" by tier-local index instead;
+  both are the bugs S1 forbids, kept so the tests can show that they corrupt.)
 * S2 — a copy into slot D waits for every pending read of D and the pending write to
   D; a copy out of S waits for the pending write to S. Inside one batch copies have no
   order (a batched DMA or gather kernel runs them in parallel), so a copy that would
@@ -30,36 +30,41 @@ only adds a spurious wait."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..blocks import DISK, GPU, HOST, SlotSpace
+from ..blocks import SlotSpace
+from .contract import Event, Executor
+from .routes import Route
+
+__all__ = ["ALL_RULES", "EngineSeams", "TransferEngine", "TransferStats"]
 
 ALL_RULES = frozenset({"S2", "S4", "S5"})
 
-DIRECTIONS = {
-    (GPU, HOST): "offload",
-    (HOST, GPU): "onboard",
-    (HOST, DISK): "demote",
-    (GPU, DISK): "spill",
-    (DISK, GPU): "fetch",
-}
-STREAM_OF = {"offload": "offload", "onboard": "onboard", "demote": "disk", "spill": "disk",
-             "fetch": "disk"}
-_TIERS_OF = {v: k for k, v in DIRECTIONS.items()}
-# DIRECTIONS as a table indexed [source tier][destination tier] (None: no such move).
-_DIRECTION_OF = tuple(tuple(DIRECTIONS.get((a, b)) for b in (GPU, HOST, DISK)) for a in (GPU, HOST, DISK))
+
+@dataclass(frozen=True, slots=True)
+class EngineSeams:
+    """The engine's test seams (``kvdist.seams.Seams`` hands them over at construction):
+    every cache runs with the defaults; tests switch a rule off to show what it prevents."""
+
+    rules: frozenset[str] = ALL_RULES  # the rules enforced, of S2, S4, S5
+    tracking: str = "slot"  # S1: "slot"; "block" and "local" are the bugs S1 forbids
+    copy_many_sizes: list[int] | None = None  # tests: the length of every copy_many call
+
+    def __post_init__(self) -> None:
+        assert self.rules <= ALL_RULES, f"unknown rules {set(self.rules) - ALL_RULES}"
+        assert self.tracking in ("slot", "block", "local"), f"unknown tracking {self.tracking!r}"
 
 
 @dataclass(slots=True)
 class _Batch:
-    """An open batch: copies of one direction not submitted yet. Single copies are in
+    """An open batch: copies of one route not submitted yet. Single copies are in
     ``src``/``dst``, ``copy_many`` calls add whole arrays to ``parts``; order inside a
     batch does not matter."""
 
-    direction: str
+    route: Route
     token: int  # marks the slots this batch touches (see TransferEngine._mark)
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
@@ -106,18 +111,18 @@ _NONE = -1
 class TransferEngine:
     """Orders and batches block copies between tiers; see the module docstring."""
 
-    def __init__(self, space: SlotSpace, executor, *, rules: frozenset[str] = ALL_RULES,
-                 tracking: str = "slot", block_id: Callable[[int], object] | None = None):
-        assert rules <= ALL_RULES, f"unknown rules {set(rules) - ALL_RULES}"
-        assert tracking in ("slot", "block", "local"), f"unknown tracking {tracking!r}"
-        assert tracking != "block" or block_id is not None, "block tracking needs block_id"
+    def __init__(self, space: SlotSpace, executor: Executor, *, seams: EngineSeams = EngineSeams(),
+                 block_id: Callable[[int], object] | None = None):
+        assert seams.tracking != "block" or block_id is not None, "block tracking needs block_id"
         self.space = space
-        self._b1, self._b2 = space.base[HOST], space.base[DISK]
+        # [lo, hi) of each tier's global slots
+        self._bounds = tuple((b, b + c) for b, c in zip(space.base, space.capacity))
         self.executor = executor
-        self.rules = rules
-        self.tracking = tracking
+        self.rules = seams.rules
+        self.tracking = seams.tracking
+        self._copy_many_sizes = seams.copy_many_sizes
         self._block_id = block_id
-        self._open: dict[str, _Batch] = {}
+        self._open: dict[Route, _Batch] = {}
         n = max(space.total, 1)
         self._last_write = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch writing it
         self._last_read = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch reading it
@@ -131,7 +136,7 @@ class TransferEngine:
         self._events: dict[int, object] = {}  # batch id -> event, batches in flight only
         self._next_id = 0
         self._interned: dict[object, int] = {}  # tracking="block": block id -> key
-        self._stream_last: dict[str, object] = {}
+        self._stream_last: dict[str, Event] = {}
         self._compute_event = None
         self.stats = TransferStats()
 
@@ -153,28 +158,22 @@ class TransferEngine:
         return key
 
     # -- submission -----------------------------------------------------------------------
-    def copy(self, src: int, dst: int) -> None:
-        """Queue a copy of the block in global slot ``src`` into global slot ``dst``."""
-        # The per-block hot path: tier by comparison, no calls when tracking by slot.
-        b1, b2 = self._b1, self._b2
-        direction = _DIRECTION_OF[(src >= b1) + (src >= b2)][(dst >= b1) + (dst >= b2)]
-        assert direction is not None and dst < self.space.total, f"no copy from slot {src} to slot {dst}"
+    def copy(self, route: Route, src: int, dst: int) -> None:
+        """Queue a copy of the block in global slot ``src`` into global slot ``dst``
+        along ``route`` (``src`` in its source tier, ``dst`` in its destination tier)."""
+        # The per-block hot path: no calls when tracking by slot and no batch is open.
+        lo, hi = self._bounds[route.src]
+        assert lo <= src < hi, f"{route} copies from slot {src}, outside {lo}..{hi - 1}"
+        lo, hi = self._bounds[route.dst]
+        assert lo <= dst < hi, f"{route} copies into slot {dst}, outside {lo}..{hi - 1}"
         if self.tracking == "slot":
             ks, kd = src, dst
         else:
             ks, kd = self._key(src, src), self._key(dst, src)
         mark = self._mark
         if "S2" in self.rules and self._by_token:
-            # A conflict: a live mark of a batch that wrote the key, or of a batch of
-            # another direction (which read it). A batch of this direction never reads
-            # the tier it writes, so its read marks on ks are the only harmless ones.
-            for m in (int(mark[ks]), int(mark[kd])):
-                if m >= 0:
-                    b = self._by_token.get(m >> 1)
-                    if b is not None and (m & 1 or b.direction != direction):
-                        self.stats.conflict_flushes += 1
-                        self._flush(b.direction)
-        b = self._open.get(direction) or self._open_batch(direction)
+            self._flush_conflicting(route, (int(mark[ks]), int(mark[kd])))
+        b = self._open.get(route) or self._open_batch(route)
         b.src.append(src)
         b.dst.append(dst)
         if self.tracking != "slot":
@@ -184,49 +183,55 @@ class TransferEngine:
         mark[ks] = tok
         mark[kd] = tok | 1
 
-    def copy_many(self, src, dst) -> None:
-        """Queue ``src[i] -> dst[i]`` for all i (global slots, one direction), exactly as
+    def copy_many(self, route: Route, src, dst) -> None:
+        """Queue ``src[i] -> dst[i]`` for all i (global slots) along ``route``, exactly as
         ``copy`` would one by one, at a small fraction of its per-block cost when the
         copies are free of hazards among themselves (the usual case): numpy work on
         the per-slot marks, no Python work per copy."""
         s = np.asarray(src, dtype=np.int64)
         d = np.asarray(dst, dtype=np.int64)
         assert s.shape == d.shape and s.ndim == 1, "src and dst must be 1-D and of one length"
+        if self._copy_many_sizes is not None:
+            self._copy_many_sizes.append(len(s))
         if len(s) == 0:
             return
-        bounds = np.asarray(self.space.base[1:])
-        ts, td = np.searchsorted(bounds, s, side="right"), np.searchsorted(bounds, d, side="right")
-        uniform = (ts == ts[0]).all() and (td == td[0]).all()
-        if self.tracking != "slot" or not uniform or _hazards_inside(s, d):
-            for a, b in zip(s.tolist(), d.tolist()):  # mixed directions or hazards inside: one by one
-                self.copy(a, b)
+        (slo, shi), (dlo, dhi) = self._bounds[route.src], self._bounds[route.dst]
+        assert slo <= int(s.min()) and int(s.max()) < shi and dlo <= int(d.min()) and int(d.max()) < dhi, \
+            f"{route} copies slots outside its tiers"
+        if self.tracking != "slot" or _hazards_inside(s, d):
+            for a, b in zip(s.tolist(), d.tolist()):  # hazards inside: one by one
+                self.copy(route, a, b)
             return
-        direction = _DIRECTION_OF[int(ts[0])][int(td[0])]
-        assert direction is not None and int(d.max()) < self.space.total and int(s.min()) >= 0, \
-            f"no copy from slot {int(s[0])} to slot {int(d[0])}"
         mark = self._mark
         if "S2" in self.rules and self._by_token:
             m = np.concatenate((mark[s], mark[d]))
-            live = _distinct(m[m >= 0])  # the same rule as in ``copy``
-            for m in live.tolist():
-                b = self._by_token.get(m >> 1)
-                if b is not None and (m & 1 or b.direction != direction):
-                    self.stats.conflict_flushes += 1
-                    self._flush(b.direction)
-        b = self._open.get(direction) or self._open_batch(direction)
+            self._flush_conflicting(route, _distinct(m[m >= 0]).tolist())
+        b = self._open.get(route) or self._open_batch(route)
         b.parts.append((s, d))
         tok = b.token << 1
         mark[s] = tok
         mark[d] = tok | 1
 
-    def _open_batch(self, direction: str) -> _Batch:
-        b = _Batch(direction, self._next_token)
+    def _flush_conflicting(self, route: Route, marks: Iterable[int]) -> None:
+        """S2 across batches: before a copy along ``route`` touches keys with these
+        marks, submit each open batch that wrote one of them, or that belongs to another
+        route (it read them). A batch of this route never reads the tier it writes, so
+        its read marks are the only harmless ones."""
+        for m in marks:
+            if m >= 0:
+                b = self._by_token.get(m >> 1)
+                if b is not None and (m & 1 or b.route is not route):
+                    self.stats.conflict_flushes += 1
+                    self._flush(b.route)
+
+    def _open_batch(self, route: Route) -> _Batch:
+        b = _Batch(route, self._next_token)
         self._next_token = (self._next_token + 1) & (_ID_MASK >> 1)  # token << 1 stays an int32
-        self._open[direction] = self._by_token[b.token] = b
+        self._open[route] = self._by_token[b.token] = b
         return b
 
-    def _flush(self, direction: str) -> None:
-        b = self._open.pop(direction)
+    def _flush(self, route: Route) -> None:
+        b = self._open.pop(route)
         del self._by_token[b.token]
         src, dst = b.arrays()
         rk = src if self.tracking == "slot" else np.array(b.rkeys, dtype=np.int64)
@@ -242,10 +247,8 @@ class TransferEngine:
         if "S4" in self.rules and self._compute_event is not None:
             deps.append(self._compute_event)
         self.stats.waits += len(deps)
-        tier_s, tier_d = _TIERS_OF[direction]
-        base_s, base_d = self.space.base[tier_s], self.space.base[tier_d]
-        stream = STREAM_OF[direction]
-        ev = self.executor.submit(stream, direction, src - base_s if base_s else src,
+        base_s, base_d = self.space.base[route.src], self.space.base[route.dst]
+        ev = self.executor.submit(route, src - base_s if base_s else src,
                                   dst - base_d if base_d else dst, deps)
         bid = self._next_id
         self._next_id = (bid + 1) & _ID_MASK
@@ -253,13 +256,13 @@ class TransferEngine:
         self._last_read[rk] = bid
         self._last_write[wk] = bid
         self._last_read[wk] = _NONE  # this batch waited for those reads: it stands for them now
-        self._stream_last[stream] = ev
+        self._stream_last[route.stream] = ev
         self.stats.batches += 1
 
     def flush(self) -> None:
         """Submit every open batch (they are mutually independent by construction)."""
-        for direction in list(self._open):
-            self._flush(direction)
+        for route in list(self._open):
+            self._flush(route)
 
     # -- step barriers ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -281,11 +284,6 @@ class TransferEngine:
         self._events.clear()
         self._stream_last.clear()
 
-    def last_event(self, stream: str):
-        """The event of the last batch submitted on ``stream`` ("offload", "onboard",
-        "disk"), None once it is known complete."""
-        return self._stream_last.get(stream)
-
     @property
     def nbytes(self) -> int:
         """Per-slot tracking memory (12 bytes a slot), for metadata accounting."""
@@ -302,13 +300,13 @@ class TransferEngine:
             rk = src if self.tracking == "slot" else np.array(b.rkeys, dtype=np.int64)
             wk = dst if self.tracking == "slot" else np.array(b.wkeys, dtype=np.int64)
             assert not np.isin(rk, wk).any() or "S2" not in self.rules, \
-                f"open {b.direction} batch reads and writes one key"
+                f"open {b.route.name} batch reads and writes one key"
             for keys, wrote in ((rk, 0), (wk, 1)):
                 for k in keys.tolist():
                     if "S2" in self.rules:
                         assert seen.get(k, b.token) == b.token, f"key {k} touched by two open batches"
                         assert self._mark[k] == (b.token << 1 | wrote), \
-                            f"key {k} of the open {b.direction} batch has mark {self._mark[k]}"
+                            f"key {k} of the open {b.route.name} batch has mark {self._mark[k]}"
                     seen[k] = b.token
 
     def _prune(self) -> None:

@@ -3,37 +3,60 @@ the copy kernels, and the executor that runs each batch at once."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
+from .contract import Event, ExecutorCounters
+from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, Route
+
+__all__ = ["DONE", "BatchLog", "HostCopies", "NullExecutor", "SyncExecutor"]
+
+# Tests: each submitted batch as (route name, tier-local sources, tier-local destinations).
+BatchLog = list[tuple[str, list[int], list[int]]]
 
 
 class HostCopies:
-    """Block copies between the tiers when every tier is CPU-addressable.
-    ``run`` applies the copies of one batch in the order given."""
+    """Block copies between the tiers when every tier is CPU-addressable, one handler
+    per route. ``run`` applies the copies of one batch in the order given."""
 
     def __init__(self, gpu: GpuPool, host: HostPool | None, disk: DiskPool | None):
         self.gpu, self.host, self.disk = gpu, host, disk
+        self._handlers: dict[Route, Callable[[list[int], list[int], bool], None]] = {
+            OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
+            SPILL: self._spill, FETCH: self._fetch}
 
-    def run(self, direction: str, src: list[int], dst: list[int], vectorized: bool) -> None:
-        g = self.gpu.raw
-        h = self.host.raw if self.host is not None else None
-        if direction in ("offload", "onboard"):
-            a, b = (g, h) if direction == "offload" else (h, g)
-            if vectorized:
-                b.index_copy_(0, torch.tensor(dst), a.index_select(0, torch.tensor(src)))
-            else:
-                for s, d in zip(src, dst):
-                    b[d].copy_(a[s])
-        elif direction in ("demote", "spill"):
-            # One batched call: the disk pool spreads it over its I/O threads.
-            a = h if direction == "demote" else g
-            self.disk.write_blocks(dst, [a[s] for s in src])
-        elif direction == "fetch":
-            self.disk.read_blocks(src, [g[d] for d in dst])
+    def run(self, route: Route, src: list[int], dst: list[int], vectorized: bool) -> None:
+        self._handlers[route](src, dst, vectorized)
+
+    @staticmethod
+    def _rows(a: torch.Tensor, b: torch.Tensor, src: list[int], dst: list[int], vectorized: bool) -> None:
+        if vectorized:
+            b.index_copy_(0, torch.tensor(dst), a.index_select(0, torch.tensor(src)))
         else:
-            raise AssertionError(f"unknown direction {direction}")
+            for s, d in zip(src, dst):
+                b[d].copy_(a[s])
+
+    def _offload(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+        self._rows(self.gpu.raw, self.host.raw, src, dst, vectorized)
+
+    def _onboard(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+        self._rows(self.host.raw, self.gpu.raw, src, dst, vectorized)
+
+    # One batched call each: the disk pool spreads it over its I/O threads.
+    def _demote(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+        h = self.host.raw
+        self.disk.write_blocks(dst, [h[s] for s in src])
+
+    def _spill(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+        g = self.gpu.raw
+        self.disk.write_blocks(dst, [g[s] for s in src])
+
+    def _fetch(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+        g = self.gpu.raw
+        self.disk.read_blocks(src, [g[d] for d in dst])
 
 
 class _Done:
@@ -52,26 +75,38 @@ class SyncExecutor:
     """Runs every batch the moment it is submitted; every event is already complete."""
 
     path = "sync"
+    simulated_compute = None
 
-    def __init__(self, copies: HostCopies):
+    def __init__(self, copies: HostCopies, log: BatchLog | None = None):
         self.copies = copies
+        self.log = log
+        self.counters = ExecutorCounters()
 
-    def submit(self, stream: str, direction: str, src, dst, deps: list):
-        self.copies.run(direction, np.asarray(src).tolist(), np.asarray(dst).tolist(), vectorized=True)
+    def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
+        s, d = np.asarray(src).tolist(), np.asarray(dst).tolist()
+        if self.log is not None:
+            self.log.append((route.name, s, d))
+        self.copies.run(route, s, d, vectorized=True)
         return DONE
 
-    def record_compute(self):
+    def record_compute(self) -> Event | None:
         return None
 
-    def compute_wait(self, events: list) -> None:
+    def compute_wait(self, events: list[Event]) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
     @staticmethod
-    def is_done(event) -> bool:
+    def is_done(event: Event | None) -> bool:
         return True
+
+    def stats(self) -> dict[str, object]:
+        return {"path": self.path}
+
+    def close(self) -> None:
+        pass
 
 
 class NullExecutor(SyncExecutor):
@@ -81,7 +116,7 @@ class NullExecutor(SyncExecutor):
     path = "none"
 
     def __init__(self) -> None:
-        pass
+        super().__init__(copies=None)
 
-    def submit(self, stream: str, direction: str, src, dst, deps: list):
+    def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
         return DONE

@@ -14,7 +14,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .executors import HostCopies
+from .contract import Event, ExecutorCounters
+from .executors import BatchLog, HostCopies
+from .routes import STREAMS, Route
+
+__all__ = ["SimDeadlock", "SimExecutor", "SimOp"]
 
 
 class SimDeadlock(RuntimeError):
@@ -44,14 +48,15 @@ class SimExecutor:
     """Lazy, adversarial executor over simulated streams; see the module docstring."""
 
     path = "simulated"
-    STREAMS = ("offload", "onboard", "disk", "compute")
 
-    def __init__(self, copies: HostCopies):
+    def __init__(self, copies: HostCopies | None, log: BatchLog | None = None):
         self.copies = copies
-        self.streams = {name: SimStream(name) for name in self.STREAMS}
+        self.streams = {name: SimStream(name) for name in (*STREAMS, "compute")}
         self._queued: list[SimOp] = []
         self._seq = 0
-        self.log: list[tuple[str, list[int], list[int]]] | None = None  # tests: (direction, src, dst)
+        self.log = log
+        self.counters = ExecutorCounters()
+        self.simulated_compute = self  # kernel() and force()
 
     # -- queueing -------------------------------------------------------------------------
     def enqueue(self, stream: str, fn: Callable[[], None], deps: list | None = None) -> SimOp:
@@ -65,15 +70,15 @@ class SimExecutor:
         self._queued.append(op)
         return op
 
-    def submit(self, stream: str, direction: str, src, dst, deps: list) -> SimOp:
+    def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> SimOp:
         src, dst = np.asarray(src).tolist(), np.asarray(dst).tolist()
         if self.log is not None:
-            self.log.append((direction, list(src), list(dst)))
+            self.log.append((route.name, list(src), list(dst)))
         src, dst = src[::-1], dst[::-1]  # no order inside a batch: run it backwards
-        return self.enqueue(stream, lambda: self.copies.run(direction, src, dst, vectorized=False), deps)
+        return self.enqueue(route.stream, lambda: self.copies.run(route, src, dst, vectorized=False), deps)
 
     def kernel(self, fn: Callable[[], None]) -> SimOp:
-        """Queue a 'kernel' on the simulated compute stream (tests)."""
+        """Queue a 'kernel' on the simulated compute stream (a forward pass, tests)."""
         return self.enqueue("compute", fn)
 
     def record_compute(self) -> SimOp | None:
@@ -121,8 +126,14 @@ class SimExecutor:
         self.streams[stream].held = False
 
     @staticmethod
-    def is_done(event) -> bool:
+    def is_done(event: SimOp | None) -> bool:
         return event is None or event.done
 
     def queued(self) -> int:
         return sum(not o.done for o in self._queued)
+
+    def stats(self) -> dict[str, object]:
+        return {"path": self.path, "queued": self.queued()}
+
+    def close(self) -> None:
+        pass

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-import weakref
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from kvdist import faults
 from kvdist.distributed import capacity as caps
 from kvdist.distributed import comm as dist_comm
 from kvdist.distributed.consensus import HostTierWarning
-from tests.conftest import make_cfg
+from tests.conftest import Probe, make_cfg
 from tests.test_integrity import churn
 
 pytestmark = pytest.mark.mpi
@@ -52,49 +50,6 @@ def config(shared_dir: str, host_blocks: int = 4, timeout: float = 30.0, gpu: in
         cache={"gpu": {"blocks": gpu}, "host": {"bytes": host_blocks * BLOCK},
                "disk": {"path": shared_dir, "bytes": 16 * BLOCK}},
         distributed={"consensus_timeout_s": timeout})
-
-
-@dataclass
-class Probe:
-    """Counts candidate builds and effective teardowns on this rank, and keeps weak
-    references to every tier tensor and the disk file of each built candidate."""
-
-    builds: list[tuple[bool, bool, str]] = field(default_factory=list)  # (with_host, fallback, outcome)
-    teardowns: int = 0
-    live: set[int] = field(default_factory=set)
-    tensors: list[weakref.ref] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-
-
-@pytest.fixture
-def probe(monkeypatch):
-    p = Probe()
-    real_build = kvdist.candidate.build_local
-    real_teardown = kvdist.candidate.LocalCache.teardown
-
-    def build_local(cfg, capacity, device, rank, *, with_host=True, fallback=False):
-        try:
-            local = real_build(cfg, capacity, device, rank, with_host=with_host, fallback=fallback)
-        except Exception as e:
-            p.builds.append((with_host, fallback, type(e).__name__))
-            raise
-        p.builds.append((with_host, fallback, "ok"))
-        p.live.add(id(local))
-        p.tensors += [weakref.ref(t) for t in (local.gpu.data, getattr(local.host, "raw", None))
-                      if t is not None]
-        if local.disk is not None:
-            p.files.append(local.disk.path)
-        return local
-
-    def teardown(self):
-        if id(self) in p.live:
-            p.live.discard(id(self))
-            p.teardowns += 1
-        real_teardown(self)
-
-    monkeypatch.setattr(kvdist.candidate, "build_local", build_local)
-    monkeypatch.setattr(kvdist.candidate.LocalCache, "teardown", teardown)
-    return p
 
 
 def attempt(world, monkeypatch, probe: Probe, cfg: dict, drill: str = "", shared_dir: str = "") -> list[dict]:
@@ -316,7 +271,7 @@ def test_collective_raises_after_local_build(world, monkeypatch, probe, shared_d
 
 
 def _rank_dependent_plans(monkeypatch, rank: int) -> None:
-    monkeypatch.setattr(kvdist.candidate.LocalBuilder, "plan",
+    monkeypatch.setattr(kvdist.candidate.CandidateBuilder, "plan",
                         lambda self: (setattr(self, "device", kvdist.select_device("cpu"))
                                       or (24 + 3 * rank, 8 + rank, 64 + 5 * rank)))
 
@@ -369,7 +324,7 @@ def test_check_consistency_names_diverged_rank(world, shared_dir):
     odd = world.size - 1
     try:
         _step(cache, "a", list(range(10)))
-        digest = cache.manager.state_digest()
+        digest = cache.state_digest()
         cache.check_consistency()
         assert len(set(world.allgather(digest))) == 1
         _step(cache, "b", list(range(6, 16)) if world.rank == odd else list(range(5, 15)))
@@ -457,7 +412,7 @@ def test_teardown_error_during_use_no_host(world, monkeypatch, probe, shared_dir
     if world.size == 1:
         pytest.skip("needs a healthy candidate on a rank other than the host-failing one")
     last = world.size - 1
-    counted_teardown = kvdist.candidate.LocalCache.teardown
+    counted_teardown = kvdist.candidate.RankCache.teardown
     failed = []
 
     def teardown(self):
@@ -466,7 +421,7 @@ def test_teardown_error_during_use_no_host(world, monkeypatch, probe, shared_dir
             failed.append(True)
             raise RuntimeError("injected teardown failure")
 
-    monkeypatch.setattr(kvdist.candidate.LocalCache, "teardown", teardown)
+    monkeypatch.setattr(kvdist.candidate.RankCache, "teardown", teardown)
     outcomes = attempt(world, monkeypatch, probe, config(shared_dir), "host_tier@0", shared_dir)
     failures = {0: HOST_REASON.format(0),
                 last: "rebuild without the host tier: RuntimeError: injected teardown failure"}

@@ -6,6 +6,8 @@ import os
 import pytest
 
 import kvdist
+import kvdist.testing
+from kvdist.testing import Seams
 from tests.conftest import make_cfg
 from tests.test_integrity import churn
 
@@ -21,10 +23,11 @@ def test_comm_self_caches_share_a_directory(tmp_path_factory):
     cfg = kvdist.load_config(make_cfg(cache={
         "gpu": {"blocks": 24}, "host": {"bytes": 8 * block},
         "disk": {"path": shared, "bytes": 128 * block}}))
-    cache = kvdist.create(cfg, comm=MPI.COMM_SELF)
+    seams = Seams()
+    cache = kvdist.testing.create(cfg, seams, comm=MPI.COMM_SELF)
     try:
         assert (cache.rank, cache.world_size) == (0, 1)
-        my_file = cache._local.disk.path
+        my_file = seams.disk.path
         files = world.allgather(my_file)
         assert len(set(files)) == world.size and all(os.path.dirname(f) == shared for f in files)
         # Different ranks churn different token streams, so shared files would corrupt.

@@ -35,16 +35,21 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
 
     real_create = kvdist.sim.driver.create
 
-    def lying_create(cfg, comm=None):
-        cache = real_create(cfg, comm)
-        add = cache.add_sequence
+    class LyingCache:
+        """The cache, but ``rank`` reports 4 more reused tokens than it reused."""
 
-        def add_sequence(seq_id, tokens, priority=35):
-            n = add(seq_id, tokens, priority)
+        def __init__(self, cache):
+            self.cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self.cache, name)
+
+        def add_sequence(self, seq_id, tokens, priority=35):
+            n = self.cache.add_sequence(seq_id, tokens, priority)
             return n + 4 if n and MPI.COMM_WORLD.rank == rank else n
 
-        cache.add_sequence = add_sequence
-        return cache
+    def lying_create(cfg, comm=None):
+        return LyingCache(real_create(cfg, comm))
 
     monkeypatch.setattr(kvdist.sim.driver, "create", lying_create)
 

@@ -1,0 +1,80 @@
+"""What the transfer engine asks of an executor, the part that does the copies and owns
+the streams and events. Three implement it: ``SyncExecutor`` (copies at once, CPU),
+``SimExecutor`` (simulated asynchronous streams, CPU) and ``CudaExecutor`` (CUDA
+streams, disk worker threads). ``kvdist.backend`` picks one per cache.
+
+An event is whatever the executor returns for a batch; the engine only hands events
+back to the same executor (as dependencies, to ``compute_wait``, to ``is_done``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .routes import Route
+
+__all__ = ["Event", "Executor", "ExecutorCounters", "SimulatedCompute"]
+
+Event = object  # opaque to everyone but the executor that made it
+
+
+@dataclass(slots=True)
+class ExecutorCounters:
+    """Where the host blocked on disk work (the CUDA executor's disk workers; zero for
+    the others, whose disk I/O runs inside the call that queues it)."""
+
+    host_waits: int = 0  # times the host blocked on unfinished disk work
+    host_wait_seconds: float = 0.0
+    disk_batches: int = 0
+
+
+class SimulatedCompute(Protocol):
+    """The compute stream of a CPU cache with simulated streams: an engine's forward pass
+    is queued on it as a kernel (behind the block table's copy) and forced to run."""
+
+    def kernel(self, fn: Callable[[], None]) -> Event:
+        """Queue ``fn`` on the simulated compute stream; returns its event."""
+        ...
+
+    def force(self, event: Event) -> None:
+        """Run the queued work ``event`` stands for, and everything it follows, now."""
+        ...
+
+
+class Executor(Protocol):
+    path: str  # what runs the copies: "sync", "simulated", "none", or the CUDA copy path
+    counters: ExecutorCounters
+    simulated_compute: SimulatedCompute | None  # only with simulated streams
+
+    def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
+        """Queue the copies ``src[i] -> dst[i]`` (int64 tier-local slots) of one batch
+        on ``route.stream``, after the batches and compute work of ``deps``. Copies of
+        one batch have no order among themselves."""
+        ...
+
+    def record_compute(self) -> Event | None:
+        """An event for the compute stream's work so far (rule S4); None if none is pending."""
+        ...
+
+    def compute_wait(self, events: list[Event]) -> None:
+        """The compute stream waits for ``events`` (rule S5)."""
+        ...
+
+    def synchronize(self) -> None:
+        """The host waits until every submitted batch has run."""
+        ...
+
+    def is_done(self, event: Event | None) -> bool:
+        """Whether ``event``'s work has run (None: nothing to wait for)."""
+        ...
+
+    def stats(self) -> dict[str, object]:
+        """``path`` and the executor's own counters (``KVCache.stats()["transfer"]``)."""
+        ...
+
+    def close(self) -> None:
+        """Release threads and streams (after ``synchronize``; idempotent)."""
+        ...
