@@ -2,14 +2,22 @@
 a closed cache says so, and the step order is enforced. Each decision here is the one
 the README's "Calls at the edges" table documents."""
 
+import numpy as np
 import pytest
 
 import kvdist
+import kvdist.testing
+from kvdist.testing import Seams
 
 
 @pytest.fixture
-def cache(cfg_factory):
-    c = kvdist.create(cfg_factory(gpu=8))
+def seams():
+    return Seams()
+
+
+@pytest.fixture
+def cache(cfg_factory, seams):
+    c = kvdist.testing.create(cfg_factory(gpu=8), seams)
     yield c
     c.close()
 
@@ -34,9 +42,9 @@ def _raising_generator():
     ([1, 2, 2**31], ValueError),
     (_raising_generator, RuntimeError),
 ])
-def test_append_tokens_with_a_bad_id_changes_nothing(cache, bad, error):
+def test_append_tokens_with_a_bad_id_changes_nothing(cache, seams, bad, error):
     _admit(cache, "a", [10, 11, 12, 13, 14, 15])  # 2 blocks of 4, the second half full
-    m = cache.manager
+    m = seams.manager
     before = (m.state_digest(), m.seqs["a"].tokens.tolist(), list(m.seqs["a"].slots))
     cache.begin_step()
     with pytest.raises(error):
@@ -50,7 +58,7 @@ def test_append_tokens_with_a_bad_id_changes_nothing(cache, bad, error):
     cache.check_invariants()
 
 
-def test_token_ids_are_opaque_int32_negative_and_bool_included(cache):
+def test_token_ids_are_opaque_int32_negative_and_bool_included(cache, seams):
     """Decided: any int32 is an id (the cache hashes ids, it never indexes with them),
     negative ones included; a bool is the int it equals. Reuse sees exactly that."""
     prompt = [-1, -2, -3, -2**31, 7, 8, 9, 10, 11]
@@ -60,7 +68,7 @@ def test_token_ids_are_opaque_int32_negative_and_bool_included(cache):
     assert _admit(cache, "ints", [1, 0, 1, 0, 6]) == 4  # True == 1, False == 0
     cache.begin_step()
     cache.append_tokens("neg", [-5, True])
-    assert cache.manager.seqs["neg"].tokens.tolist()[-2:] == [-5, 1]
+    assert seams.manager.seqs["neg"].tokens.tolist()[-2:] == [-5, 1]
     cache.end_step()
     cache.check_invariants()
 
@@ -80,12 +88,12 @@ def test_block_table_refuses_a_string_of_ids(cache, ids):
     cache.end_step()
 
 
-def test_step_calls_out_of_order_raise_and_change_nothing(cache):
+def test_step_calls_out_of_order_raise_and_change_nothing(cache, seams):
     """Decided: begin_step twice, end_step without begin_step, and add_sequence,
     append_tokens or block_table outside a step are StepOrderError (rule S4 needs
     begin_step before any copy of the step is queued). release works at any time."""
     _admit(cache, "a", [1, 2, 3, 4, 5])
-    m = cache.manager
+    m = seams.manager
     before = (m.state_digest(), m.counters.steps)
     for call in (lambda: cache.block_table(["a"]), cache.end_step,
                  lambda: cache.add_sequence("b", [1, 2]), lambda: cache.append_tokens("a", [6])):
@@ -117,7 +125,8 @@ def test_every_call_after_close_says_the_cache_is_closed(cfg_factory):
         "block_table": lambda: cache.block_table(["a"]), "release": lambda: cache.release("a"),
         "kv_pool": lambda: cache.kv_pool(0), "stats": cache.stats, "synchronize": cache.synchronize,
         "check_invariants": cache.check_invariants, "check_consistency": cache.check_consistency,
-        "layout": lambda: cache.layout,
+        "layout": lambda: cache.layout, "stage": lambda: cache.stage(np.zeros(2, np.int32)),
+        "simulated_compute": lambda: cache.simulated_compute, "state_digest": cache.state_digest,
     }
     for name, call in calls.items():
         with pytest.raises(kvdist.CacheClosedError, match="the cache is closed"):

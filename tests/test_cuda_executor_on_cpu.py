@@ -11,6 +11,7 @@ when submitted). ``test_transfer_cuda.py`` covers that on a real GPU."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 
@@ -21,8 +22,8 @@ import torch
 from kvdist.blocks import SlotSpace
 from kvdist.layout import KVLayout
 from kvdist.storage import DiskPool, GpuPool, HostPool
+from kvdist.transfer import DEMOTE, OFFLOAD, ONBOARD, TransferEngine
 from kvdist.transfer import cuda as cuda_executor
-from kvdist.transfer.engine import TransferEngine
 
 from .test_transfer_engine import _queue, _random_moves
 
@@ -89,16 +90,22 @@ def fake_cuda(monkeypatch):
     return compute
 
 
-def _slow(pool: DiskPool, rng: np.random.Generator) -> None:
-    """Disk batches take a little while, in varying order."""
+def _slow(pool: DiskPool, seed: int, delay_s: float | None = None) -> None:
+    """Disk batches take a little while: ``delay_s``, or up to 2 ms in varying order
+    (from their own random source: the copy stream stays the same whatever the
+    threads do)."""
     write, read = pool.write_blocks, pool.read_blocks
+    delays = random.Random(seed)
+
+    def pause() -> None:
+        time.sleep(delay_s if delay_s is not None else delays.random() * 0.002)
 
     def slow_write(slots, rows):
-        time.sleep(float(rng.random()) * 0.002)
+        pause()
         write(slots, rows)
 
     def slow_read(slots, rows):
-        time.sleep(float(rng.random()) * 0.002)
+        pause()
         read(slots, rows)
     pool.write_blocks, pool.read_blocks = slow_write, slow_read
 
@@ -107,41 +114,80 @@ def _pattern(tag: int) -> torch.Tensor:
     return ((torch.arange(LAYOUT.bytes_per_block) * 7 + tag * 13) % 251).to(torch.uint8)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_path, seed):
-    rng = np.random.default_rng(seed)
-    caps = (12, 16, 8)
-    space = SlotSpace(caps)
-    gpu = GpuPool(LAYOUT, caps[0], torch.device("cpu"))
-    host = HostPool(LAYOUT, caps[1], pin=False)
-    disk = DiskPool(LAYOUT, caps[2], str(tmp_path), 0, io_threads=2)
-    ex = cuda_executor.CudaExecutor(gpu, host, disk, torch.device("cpu"), disk_threads=2)
-    try:
-        _slow(disk, rng)
-        content = list(range(space.total))  # the tag each global slot holds, replayed in order
+@pytest.fixture
+def tiers(fake_cuda, tmp_path):
+    """``make(caps, delay_s, seed)``: CPU pools whose global slot g holds ``_pattern(g)``,
+    slow disk I/O, and a CUDA executor over them; returns (pools, executor, content)."""
+    made = []
+
+    def make(caps: tuple[int, int, int], delay_s: float | None = None, seed: int = 0):
+        gpu = GpuPool(LAYOUT, caps[0], torch.device("cpu"))
+        host = HostPool(LAYOUT, caps[1], pin=False)
+        disk = DiskPool(LAYOUT, caps[2], str(tmp_path), 0, io_threads=2)
+        content = list(range(sum(caps)))  # the tag each global slot holds, replayed in order
         gpu.raw[:] = torch.stack([_pattern(t) for t in content[: caps[0]]])
         host.raw[:] = torch.stack([_pattern(t) for t in content[caps[0]: caps[0] + caps[1]]])
         disk.write_blocks(list(range(caps[2])), [_pattern(t) for t in content[caps[0] + caps[1]:]])
-        engine = TransferEngine(space, ex)
-        for _step in range(30):
-            engine.begin_step()
-            for _call in range(int(rng.integers(1, 5))):
-                moves = _random_moves(rng, space, int(rng.integers(1, 7)))
-                for _, s, d in moves:
-                    content[d] = content[s]
-                _queue(engine, moves, bulk=rng.random() < 0.5)
-            engine.before_compute()
-            engine.check_invariants()
-        engine.synchronize()
-        got_disk = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8) for _ in range(caps[2])]
-        disk.read_blocks(list(range(caps[2])), got_disk)
-        rows = list(gpu.raw) + list(host.raw) + got_disk
-        wrong = [g for g in range(space.total) if not torch.equal(rows[g], _pattern(content[g]))]
-        assert wrong == [], f"slots {wrong} hold other bytes than a sequential replay gives"
-        st = ex.stats()
-        assert st["disk_batches"] > 0 and st["blocks"] > 0 and st["path"] == "fake"
-        assert not ex._inflight and not ex._unsettled
-    finally:
+        _slow(disk, seed, delay_s)
+        ex = cuda_executor.CudaExecutor(gpu, host, disk, torch.device("cpu"), disk_threads=2)
+        made.append((ex, disk, host))
+        return (gpu, host, disk), ex, content
+    yield make
+    for ex, disk, host in made:
         ex.close()
         disk.close()
         host.close()
+
+
+def _wrong(space: SlotSpace, pools, content: list[int]) -> list[int]:
+    """Global slots whose bytes differ from the tag a sequential replay gives."""
+    gpu, host, disk = pools
+    n_disk = space.capacity[2]
+    got_disk = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8) for _ in range(n_disk)]
+    disk.read_blocks(list(range(n_disk)), got_disk)
+    rows = list(gpu.raw) + list(host.raw) + got_disk
+    return [g for g in range(space.total) if not torch.equal(rows[g], _pattern(content[g]))]
+
+
+def test_a_write_waits_for_a_demotion_behind_a_second_read(tiers):
+    """Host slot 0 is demoted to disk slot 0 (slowly), then onboarded to GPU slot 0 (a
+    second read), then overwritten by an offload. The engine keeps one read entry per
+    slot, so the offload waits for the onboard alone: the onboard must have waited for
+    the demotion, or the demotion writes the offload's bytes to disk."""
+    caps = (4, 4, 4)
+    space = SlotSpace(caps)
+    pools, ex, content = tiers(caps, delay_s=0.05)
+    H, D = space.base[1], space.base[2]
+    engine = TransferEngine(space, ex)
+    engine.begin_step()
+    for route, s, d in ((DEMOTE, H + 0, D + 0), (ONBOARD, H + 0, 0), (OFFLOAD, 1, H + 0)):
+        engine.copy(route, s, d)
+        content[d] = content[s]
+    engine.before_compute()
+    engine.synchronize()
+    assert _wrong(space, pools, content) == []
+    assert ex.counters.host_waits >= 1  # the onboard's wait for the demotion
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed):
+    rng = np.random.default_rng(seed)
+    caps = (12, 16, 8)
+    space = SlotSpace(caps)
+    pools, ex, content = tiers(caps, seed=seed)
+    engine = TransferEngine(space, ex)
+    for _step in range(30):
+        engine.begin_step()
+        for _call in range(int(rng.integers(1, 5))):
+            moves = _random_moves(rng, space, int(rng.integers(1, 7)))
+            for _, s, d in moves:
+                content[d] = content[s]
+            _queue(engine, moves, bulk=rng.random() < 0.5)
+        engine.before_compute()
+        engine.check_invariants()
+    engine.synchronize()
+    wrong = _wrong(space, pools, content)
+    assert wrong == [], f"slots {wrong} hold other bytes than a sequential replay gives"
+    st = ex.stats()
+    assert st["disk_batches"] > 0 and st["blocks"] > 0 and st["path"] == "fake"
+    assert not ex._inflight and not ex._unsettled

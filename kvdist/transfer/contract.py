@@ -51,8 +51,11 @@ class Executor(Protocol):
 
     def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
         """Queue the copies ``src[i] -> dst[i]`` (int64 tier-local slots) of one batch
-        on ``route.stream``, after the batches and compute work of ``deps``. Copies of
-        one batch have no order among themselves."""
+        on ``route.stream``, to run after *all* of the batches and compute work of
+        ``deps``, including dependencies this batch does not itself need (two reads of
+        one slot): the engine keeps one read entry per slot and relies on a batch having
+        waited for the reads before it. Copies of one batch have no order among
+        themselves."""
         ...
 
     def record_compute(self) -> Event | None:

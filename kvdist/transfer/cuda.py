@@ -104,14 +104,17 @@ class CudaExecutor:
         """Queue the GPU half of a fetch (the host waits for its read if needed)."""
         self._host_wait(op.future)
         st = self.streams[ONBOARD.stream]
-        self._gpu_wait(st, op.gpu_deps, writes_host=False)
+        self._gpu_wait(st, op.gpu_deps, host_tier=False)
         self.copier.copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
         op.gpu_event, op.gpu_deps = self._record(st), []
 
-    def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, writes_host: bool) -> None:
-        """``stream`` waits for the GPU side of ``deps``. A demotion has none; but it
-        reads host slots with the CPU, so a copy that writes host memory waits for it
-        on the host."""
+    def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, host_tier: bool) -> None:
+        """``stream`` waits for the GPU side of ``deps``. A demotion has none: it reads
+        host slots with the CPU, so a copy that touches the host tier (``host_tier``)
+        waits for it on the host. A copy that only reads the slot a demotion reads
+        must wait too: the engine keeps one read entry per slot, so a later write to
+        the slot waits for this copy alone and relies on it having waited for all its
+        dependencies."""
         for e in deps:
             if isinstance(e, torch.cuda.Event):
                 stream.wait_event(e)
@@ -120,7 +123,7 @@ class CudaExecutor:
                     self._finish_fetch(e)
                 if e.gpu_event is not None:
                     stream.wait_event(e.gpu_event)
-                elif writes_host:
+                elif host_tier:
                     self._host_wait(e.future)
 
     @staticmethod
@@ -153,13 +156,13 @@ class CudaExecutor:
     # -- one handler per route ------------------------------------------------------------------------
     def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
         st = self.streams[OFFLOAD.stream]
-        self._gpu_wait(st, deps, writes_host=True)
+        self._gpu_wait(st, deps, host_tier=True)
         self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
         return self._record(st)
 
     def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
         st = self.streams[ONBOARD.stream]
-        self._gpu_wait(st, deps, writes_host=False)
+        self._gpu_wait(st, deps, host_tier=True)
         self.copier.copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
         return self._record(st)
 
@@ -171,7 +174,7 @@ class CudaExecutor:
     def _spill(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         bounce = self._bounce(len(s))
         st = self.streams[OFFLOAD.stream]
-        self._gpu_wait(st, deps, writes_host=False)
+        self._gpu_wait(st, deps, host_tier=False)
         self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
         ev = self._record(st)
         disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
