@@ -1,0 +1,46 @@
+"""Deliberately failing tests, run in a child pytest by ``test_testbed.py`` (no ``test_``
+prefix: never collected on their own). Each leaves a process running inside node b;
+the bed fixture must still remove everything when the session ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.nodes import testbed
+
+
+def report(bed) -> None:
+    """Tell the parent what exists now: the bed's tag, what of it is listed, the pids
+    inside node b (the sleep, once it runs)."""
+    deadline = time.monotonic() + 30
+    while not testbed.pids_in(bed.nodes[1].name) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    path = Path(os.environ["KVDIST_DRILL_REPORT"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"tag": bed.tag, "leftovers": testbed.leftovers(bed.tag),
+                               "pids": testbed.pids_in(bed.nodes[1].name)}))
+    tmp.replace(path)
+
+
+def test_fails_with_a_process_left_in_node_b(bed):
+    bed.popen(bed.nodes[1], ["sleep", "600"])
+    report(bed)
+    raise AssertionError("deliberate failure")
+
+
+def test_times_out(bed):
+    with pytest.raises(subprocess.TimeoutExpired):
+        bed.run(bed.nodes[1], ["sleep", "600"], timeout=1)
+    raise AssertionError("deliberate failure after a timeout")
+
+
+def test_hangs_until_killed(bed):
+    proc = bed.popen(bed.nodes[1], ["sleep", "600"])
+    report(bed)
+    proc.wait()

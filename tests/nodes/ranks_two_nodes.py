@@ -1,0 +1,196 @@
+"""What the ranks check on the two-node test bed (2 nodes x 2 ranks): run under MPI by
+``test_two_nodes.py`` (``kvdist-launch --module pytest``), not collected on its own.
+
+Node a holds ranks 0-1, node b ranks 2-3. The bed tells the ranks its node names, the
+scratch path (each node's own directory, seen at the same path) and the memory each
+node's /proc/meminfo shows (``KVDIST_BED_*``, forwarded by the launcher)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import kvdist
+import kvdist.candidate
+from kvdist.distributed import comm as dist_comm
+from kvdist.storage.host_sizing import available_memory
+from tests.conftest import make_cfg
+from tests.mpi.test_consensus import (  # noqa: F401  (consensus_probe is a fixture)
+    BLOCK,
+    BUILD_REASON,
+    HOST_REASON,
+    OK_HOST,
+    OK_NO_HOST,
+    _assert_aborted,
+    assert_clean,
+    assert_committed,
+    attempt,
+    config,
+    probe as consensus_probe,
+)
+
+pytestmark = pytest.mark.mpi
+
+HOSTS = os.environ.get("KVDIST_BED_HOSTS", "").split()
+SCRATCH = os.environ.get("KVDIST_BED_SCRATCH", "")
+MEM = [int(m) for m in os.environ.get("KVDIST_BED_MEM", "").split()]
+
+
+@pytest.fixture
+def world():
+    from mpi4py import MPI
+
+    w = MPI.COMM_WORLD
+    assert w.size == 4 and len(HOSTS) == 2 and SCRATCH, "run by tests/nodes/test_two_nodes.py"
+    assert os.environ.get(dist_comm.FAKE_RANKS_PER_NODE_ENV) is None, "the bed's nodes are real"
+    yield w
+    w.Barrier()
+
+
+def node_of(rank: int) -> int:
+    return rank // 2
+
+
+def gathered_listing(world, directory: str, prefix: str) -> list[list[str]]:
+    """Every rank's sorted listing of ``directory`` (entries starting with ``prefix``)."""
+    return world.allgather(sorted(f for f in os.listdir(directory) if f.startswith(prefix)))
+
+
+def test_ranks_run_on_two_hosts(world):
+    """Host names, MPI's node-local split, and node-private /dev/shm and scratch."""
+    from mpi4py import MPI
+
+    r = world.rank
+    assert world.allgather(socket.gethostname()) == [HOSTS[0], HOSTS[0], HOSTS[1], HOSTS[1]]
+    assert MPI.Get_processor_name() == HOSTS[node_of(r)]
+    assert dist_comm.node_info(world) == dist_comm.NodeInfo(r % 2, 2, node_of(r), 2)
+    mine = {"shm": f"/dev/shm/kvdist-bed-{r}", "scratch": os.path.join(SCRATCH, f"kvdist-bed-{r}")}
+    for path in mine.values():
+        open(path, "w").close()
+    world.Barrier()
+    try:
+        for where in mine:
+            seen = gathered_listing(world, os.path.dirname(mine[where]), "kvdist-bed-")
+            assert seen == [["kvdist-bed-0", "kvdist-bed-1"]] * 2 + [["kvdist-bed-2", "kvdist-bed-3"]] * 2, \
+                (where, seen)
+    finally:
+        world.Barrier()
+        for path in mine.values():
+            os.remove(path)
+
+
+def veth_bytes() -> int:
+    """Bytes sent and received on this node's end of the veth pair."""
+    stats = f"/sys/class/net/{socket.gethostname()}/statistics"
+    return sum(int(open(f"{stats}/{d}_bytes").read()) for d in ("rx", "tx"))
+
+
+def test_mpi_traffic_between_nodes_crosses_the_veth(world):
+    """An 8 MiB allreduce moves at least 8 MiB through each node's veth end."""
+    size = 8 << 20
+    world.Barrier()
+    before = veth_bytes()
+    data = np.full(size // 8, world.rank, dtype=np.int64)
+    out = np.empty_like(data)
+    world.Allreduce(data, out)
+    world.Barrier()
+    moved = veth_bytes() - before
+    assert (out == 6).all()
+    assert moved >= size, f"{moved} bytes through the veth"
+
+
+def test_consensus_healthy_disk_files_on_each_node(world):
+    """KEEP_HOST everywhere; each rank's disk file lives on its own node's disk (the
+    scratch directory), and none is left on either node afterwards."""
+    cache = kvdist.create(config(SCRATCH))
+    try:
+        committed = (cache.init_status, cache.tiers, cache.stats()["capacity_blocks"])
+        files = gathered_listing(world, SCRATCH, "")
+        names = [os.path.basename(p) for p in world.allgather(cache._local.disk.path)]
+    finally:
+        cache.close()
+    world.Barrier()
+    assert committed == (kvdist.InitStatus.KEEP_HOST, ("gpu", "host", "disk"),
+                         {"gpu": 8, "host": 4, "disk": 16})
+    assert files == [sorted(names[:2])] * 2 + [sorted(names[2:])] * 2, files
+    assert gathered_listing(world, SCRATCH, "") == [[]] * 4
+
+
+def test_host_tier_fails_on_the_second_node(world, monkeypatch, consensus_probe):
+    """host_tier@3 (node b): USE_NO_HOST on all four ranks, rank 3 named everywhere."""
+    outcomes = attempt(world, monkeypatch, consensus_probe, config(SCRATCH), "host_tier@3", SCRATCH)
+    assert_committed(outcomes, kvdist.InitStatus.USE_NO_HOST, ("gpu", "disk"), {"gpu": 8, "disk": 16})
+    for o in outcomes:
+        first = (True, False, "HostTierUnavailable") if o["rank"] == 3 else OK_HOST
+        assert o["builds"] == [first, OK_NO_HOST], o
+        assert o["init_failures"] == {3: HOST_REASON.format(3)}, o
+        assert len(o["warnings"]) == 1 and f"rank 3: {HOST_REASON.format(3)}" in o["warnings"][0], o
+    assert_clean(outcomes)
+
+
+def test_build_error_on_the_first_node(world, monkeypatch, consensus_probe):
+    """build@1 (node a): ABORT on all four ranks, each naming rank 1."""
+    outcomes = attempt(world, monkeypatch, consensus_probe, config(SCRATCH), "build@1", SCRATCH)
+    why = BUILD_REASON.format("build", 1)
+    _assert_aborted(outcomes, {1: ("KVDistError", why.removeprefix("KVDistError: "))}, {1: why})
+    for o in outcomes:
+        assert o["builds"] == [(True, False, "KVDistError") if o["rank"] == 1 else OK_HOST], o
+    assert_clean(outcomes)
+
+
+def test_stalled_rank_on_the_second_node(world, monkeypatch, consensus_probe):
+    """stall@2 (node b): the other three ranks raise ConsensusTimeout after the timeout."""
+    timeout = 2.0
+    cfg = config(SCRATCH, timeout=timeout)
+    outcomes = attempt(world, monkeypatch, consensus_probe, cfg, "stall@2", SCRATCH)
+    for o in outcomes:
+        assert o["kind"] == "ConsensusTimeout", o
+        if o["rank"] != 2:
+            assert "phase 1: status" in o["message"] and timeout <= o["seconds"] < timeout + 4.0, o
+    assert_clean(outcomes)
+
+
+def test_config_differs_between_nodes(world, monkeypatch, consensus_probe):
+    """Node b's ranks were given another disk size: ABORT before any tier is built."""
+    on_b = node_of(world.rank) == 1
+    cfg = config(SCRATCH)
+    if on_b:
+        cfg["cache"]["disk"]["bytes"] = 32 * BLOCK
+    outcomes = attempt(world, monkeypatch, consensus_probe, cfg, "", SCRATCH)
+    why = f"config differs from rank 0's: cache.disk.bytes={32 * BLOCK} (reference {16 * BLOCK})"
+    for o in outcomes:
+        assert (o["kind"], o["failures"]) == ("ConsensusAbort", {2: why, 3: why}), o
+        assert "differ on rank(s) 2, 3" in o["message"] and o["builds"] == [], o
+    assert_clean(outcomes)
+
+
+def test_host_auto_shares_each_node_memory_among_its_ranks(world, monkeypatch, caplog):
+    """``host.bytes: auto``: a rank plans half its node's available memory / the node's
+    2 ranks (not the world's 4); the nodes show different memory, and every rank
+    commits the MIN, node b's plan."""
+    # Each node's own /proc/meminfo, or this test would size tiers from the whole machine.
+    assert available_memory() == MEM[node_of(world.rank)]
+    plans = []
+    real_plan = kvdist.candidate.LocalBuilder.plan
+    monkeypatch.setattr(kvdist.candidate.LocalBuilder, "plan",
+                        lambda self: plans.append(real_plan(self)) or plans[-1])
+    cfg = make_cfg(cache={"gpu": {"blocks": 64},
+                          "host": {"bytes": "auto", "auto_memory_fraction": 0.5, "auto_gpu_ratio": 1e6},
+                          "disk": {"path": SCRATCH, "bytes": 16 * BLOCK}})
+    caplog.set_level(logging.INFO, logger="kvdist")
+    cache = kvdist.create(cfg)
+    try:
+        committed = cache.stats()["capacity_blocks"]
+    finally:
+        cache.close()
+    per_node = [int(m * 0.5) // 2 // BLOCK for m in MEM]
+    assert per_node[0] > per_node[1]
+    assert plans == [(64, per_node[node_of(world.rank)], 16)], plans
+    assert world.allgather(committed) == [{"gpu": 64, "host": per_node[1], "disk": 16}] * 4
+    if world.rank == 0:
+        reduced = "; ".join(f"rank {r}: host {per_node[0]}->{per_node[1]}" for r in (0, 1))
+        assert f"MIN-reduced across ranks to (64, {per_node[1]}, 16) blocks: {reduced}" in caplog.text
