@@ -10,12 +10,16 @@ where each node has its own (node-local) directory; the bed also gives its node 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import kvdist
 import kvdist.candidate
@@ -37,6 +41,7 @@ from tests.mpi.test_consensus import (
 
 pytestmark = pytest.mark.mpi
 
+ROOT = Path(__file__).resolve().parents[2]
 HOSTS = os.environ.get("KVDIST_BED_HOSTS", "").split()
 SCRATCH = os.environ.get("KVDIST_BED_SCRATCH", "")
 MEM = [int(m) for m in os.environ.get("KVDIST_BED_MEM", "").split()]
@@ -156,7 +161,7 @@ def test_build_error_on_the_first_node(world, monkeypatch, probe):
 
 def test_stalled_rank_on_the_second_node(world, monkeypatch, probe):
     """stall@2 (node b): the other three ranks raise ConsensusTimeout after the timeout."""
-    timeout = 2.0
+    timeout = 1.5
     cfg = config(SCRATCH, timeout=timeout)
     outcomes = attempt(world, monkeypatch, probe, cfg, "stall@2", SCRATCH)
     for o in outcomes:
@@ -208,3 +213,29 @@ def test_host_auto_shares_each_node_memory_among_its_ranks(world, monkeypatch, c
     if world.rank == 0:
         reduced = "; ".join(f"rank {r}: host {per_node[0]}->{per_node[1]}" for r in (0, 1))
         assert f"MIN-reduced across ranks to (64, {per_node[1]}, 16) blocks: {reduced}" in caplog.text
+
+
+def test_main_job_tp4_across_two_nodes(world, hosts):
+    """``python -m kvdist run`` (its entry point, on every rank): one tensor-parallel group
+    of 4 ranks over both nodes, a short trace of configs/default.yaml with the disk tier
+    on each node's scratch. Every check of the job passes, the ranks sit where the
+    hostfile put them, and no disk file is left on either node."""
+    from kvdist.cli import main
+
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg["cache"]["disk"]["path"] = SCRATCH
+    cfg["workload"].update(conversations=16, check_consistency_every=10)
+    with tempfile.TemporaryDirectory(prefix="kvdist-job-") as mine:
+        (Path(mine) / "job.yaml").write_text(yaml.safe_dump(cfg))
+        out = Path(mine) / "runs"  # only rank 0 writes results
+        code = main(["run", "--config", f"{mine}/job.yaml", "--requests", "24", "--out", str(out), "--quiet"])
+        results = json.loads((out / "latest" / "results.json").read_text()) if world.rank == 0 else None
+    assert code == 0
+    world.Barrier()
+    assert gathered_listing(world, SCRATCH, "") == [[]] * 4
+    if world.rank == 0:
+        assert [(p["host"], p["node"], p["local_rank"], p["local_size"]) for p in results["placement"]] == \
+            [(hosts[0], 0, 0, 2), (hosts[0], 0, 1, 2), (hosts[1], 1, 0, 2), (hosts[1], 1, 1, 2)]
+        assert results["ok"] and (results["world_size"], results["nodes"]) == (4, 2)
+        assert results["requests"] == 24 and results["integrity"]["blocks_checked"] > 0
+        assert results["integrity_mismatches"] == 0 and results["integrity"]["consistency"]["error"] is None
