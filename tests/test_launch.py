@@ -23,7 +23,8 @@ def fake_mpiexec(tmp_path: Path, version: str) -> Path:
 
 
 def launch(*argv: str, env: dict | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MPIEXEC", "MPIEXEC_TIMEOUT", "MPI4PY_LIBMPI")}
+    unset = ("MPIEXEC", "MPIEXEC_TIMEOUT", "MPI4PY_LIBMPI")
+    full_env = {k: v for k, v in os.environ.items() if k not in unset}
     full_env.update(env or {})
     return subprocess.run([sys.executable, str(LAUNCH), *argv], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=ROOT)
