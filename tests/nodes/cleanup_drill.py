@@ -4,6 +4,7 @@ the bed fixture must still remove everything when the session ends."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,11 +16,25 @@ import pytest
 from tests.nodes import testbed
 
 
+def sleeping(bed) -> bool:
+    """Whether the sleep runs in node b (node-ssh's set-up processes come and go)."""
+    for pid in testbed.pids_in(bed.nodes[1].name):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
+                return True
+    return False
+
+
+def start_sleep(bed):
+    return bed.popen(bed.nodes[1], ["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def report(bed) -> None:
-    """Tell the parent what exists now: the bed's tag, what of it is listed, the pids
-    inside node b (the sleep, once it runs)."""
+    """Once the sleep runs inside node b, tell the parent what exists: the bed's tag,
+    what of it is listed, the pids inside node b."""
     deadline = time.monotonic() + 30
-    while not testbed.pids_in(bed.nodes[1].name) and time.monotonic() < deadline:
+    while not sleeping(bed):
+        assert time.monotonic() < deadline, "the sleep never started in node b"
         time.sleep(0.02)
     path = Path(os.environ["KVDIST_DRILL_REPORT"])
     tmp = path.with_suffix(".tmp")
@@ -29,7 +44,7 @@ def report(bed) -> None:
 
 
 def test_fails_with_a_process_left_in_node_b(bed):
-    bed.popen(bed.nodes[1], ["sleep", "600"])
+    start_sleep(bed)
     report(bed)
     raise AssertionError("deliberate failure")
 
@@ -41,6 +56,6 @@ def test_times_out(bed):
 
 
 def test_hangs_until_killed(bed):
-    proc = bed.popen(bed.nodes[1], ["sleep", "600"])
+    proc = start_sleep(bed)
     report(bed)
     proc.wait()
