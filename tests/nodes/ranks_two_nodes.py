@@ -120,14 +120,15 @@ def test_mpi_traffic_between_nodes_crosses_the_veth(world):
     assert moved >= size, f"{moved} bytes through the veth"
 
 
-def test_consensus_healthy_disk_files_on_each_node(world):
+def test_consensus_healthy_disk_files_on_each_node(world, probe):
     """KEEP_HOST everywhere; each rank's disk file lives on its own node's disk (the
     scratch directory), and none is left on either node afterwards."""
     cache = kvdist.create(config(SCRATCH))
     try:
         committed = (cache.init_status, cache.tiers, cache.stats()["capacity_blocks"])
         files = gathered_listing(world, SCRATCH, "")
-        names = [os.path.basename(p) for p in world.allgather(cache._local.disk.path)]
+        assert len(probe.files) == 1, probe.files  # this rank's disk file
+        names = [os.path.basename(p) for p in world.allgather(probe.files[0])]
     finally:
         cache.close()
     world.Barrier()
