@@ -2,11 +2,11 @@
 MPI, started with ``launch/kvdist-launch --hostfile``: 2 nodes x 2 ranks run the checks
 of ``ranks_two_nodes.py`` — host names and the node split, node-private memory and
 disks, MPI traffic over the network, the consensus drills with faults on either node,
-``host: auto`` per node, and a short main job with tensor parallelism 4 across both."""
+``host: auto`` per node, a short main job with tensor parallelism 4 across both, and 2
+replicas x TP 2 (one per node) fetching each other's blocks through the remote tier."""
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import re
 import subprocess
@@ -65,14 +65,10 @@ def test_ranks_on_two_nodes(bed, flavor):
                  "--with-mpi", str(RANKS.relative_to(jobs.ROOT)))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     tests = len(re.findall(r"^def test_", RANKS.read_text(), flags=re.MULTILINE))
-    assert re.findall(r"(\d+) passed in", out.stdout) == [str(tests)] * 4, out.stdout[-3000:]
+    summaries = re.findall(r"(\d+) passed(?:, (\d+) skipped)? in", out.stdout)
+    assert len(summaries) == 4, out.stdout[-3000:]
+    assert all(int(passed) + int(skipped or 0) == tests for passed, skipped in summaries), summaries
+    # The only check allowed to skip on the bed: the remote tier's, until it exists.
+    skipped = re.findall(r"SKIPPED \[\d+\] \S+: (.*)", out.stdout)
+    assert all("remote tier" in why for why in skipped), skipped
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}
-
-
-def test_replicas_fetch_remote_blocks_across_nodes(bed):
-    """To do (issue 16): 2 replicas x TP 2, one replica per node, with the remote tier
-    fetching across the network. The replicas' main job runs here, but its remote tier
-    does not fetch yet (issue 15 is building it); until then this test only says so."""
-    if importlib.util.find_spec("kvdist.distributed.remote") is None:
-        pytest.skip("the remote tier's fetches (kvdist.distributed.remote) are not in this tree yet")
-    pytest.skip("the remote tier fetches now: the two-node replica test is still to be written (issue 16)")
