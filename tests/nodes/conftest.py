@@ -19,7 +19,10 @@ def bed():
         pytest.skip(f"two-node test bed: {why}")
     testbed.sweep()
     with testbed.signals_unwind():
-        nodes = testbed.TwoNodes(mem_available=MEM_AVAILABLE).up()
+        try:
+            nodes = testbed.TwoNodes(mem_available=MEM_AVAILABLE).up()
+        except testbed.BedUnavailable as e:
+            pytest.skip(f"two-node test bed: {e}")
         try:
             yield nodes
         finally:

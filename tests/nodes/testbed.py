@@ -168,7 +168,10 @@ class TwoNodes:
         self.ssh.write_text(f'#!/bin/sh\nexec {shlex.quote(str(NODE_SSH))} {shlex.quote(str(root))} "$@"\n')
         self.ssh.chmod(0o755)
         for node in self.nodes:
-            _ip("netns", "add", node.name)
+            try:
+                _ip("netns", "add", node.name)
+            except RuntimeError as e:  # e.g. /run/netns not writable in a container
+                raise BedUnavailable(str(e)) from None
         _ip("link", "add", a, "netns", a, "type", "veth", "peer", "name", b, "netns", b)
         for node in self.nodes:
             n = node.name
