@@ -3,7 +3,14 @@
     cfg = kvdist.load_config("configs/default.yaml")
     cache = kvdist.create(cfg)          # collective over a Dup of COMM_WORLD, or alone
 
-See DESIGN.md for the contract and README.md for the per-step API."""
+See docs/design.md for how it is built and README.md for the per-step API."""
+
+__all__ = [
+    "CacheClosedError", "CacheConfig", "ConfigError", "ConsensusAbort", "ConsensusTimeout",
+    "ConsistencyError", "HostTierUnavailable", "InitStatus", "KVCache", "KVDistError", "OutOfBlocksError",
+    "StepOrderError", "create", "load_config", "select_device",
+]
+__version__ = "0.1.0"
 
 from .config import CacheConfig, load_config
 from .distributed.consensus import InitStatus
@@ -18,14 +25,6 @@ from .errors import (
     OutOfBlocksError,
     StepOrderError,
 )
-
-__version__ = "0.1.0"
-
-__all__ = [
-    "CacheClosedError", "CacheConfig", "ConfigError", "ConsensusAbort", "ConsensusTimeout",
-    "ConsistencyError", "HostTierUnavailable", "InitStatus", "KVCache", "KVDistError", "OutOfBlocksError",
-    "StepOrderError", "create", "load_config", "select_device",
-]
 
 # The cache itself needs torch, whose import costs seconds. Loading it on first use lets
 # `python -m kvdist run` report a config mistake at once, before any of that.

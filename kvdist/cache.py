@@ -46,9 +46,9 @@ class KVCache:
     StepOrderError (nothing changed). ``release``, ``stats`` and the checks work at any
     time. After ``close()`` every call but ``close()`` raises CacheClosedError."""
 
-    __slots__ = ("_check_every", "_closed", "_comm", "_in_step", "_init", "_manager", "_parts",
-                 "_replicas", "_stager", "config", "device", "init_status", "num_replicas", "rank",
-                 "replica", "tiers", "tp_rank", "tp_size", "world_size")
+    __slots__ = ("_check_every", "_checks_passed", "_closed", "_comm", "_in_step", "_init", "_manager",
+                 "_parts", "_replicas", "_stager", "config", "device", "init_status", "num_replicas",
+                 "rank", "replica", "tiers", "tp_rank", "tp_size", "world_size")
 
     def __init__(self, parts: RankCache, comm, status: InitStatus, init: Committed | None = None,
                  replicas: ReplicaComms | None = None):
@@ -74,6 +74,7 @@ class KVCache:
         self._check_every = parts.cfg.distributed.check_consistency_every
         self._closed = False
         self._in_step = False
+        self._checks_passed = 0
 
     # -- one scheduler step -----------------------------------------------------------------
     def begin_step(self) -> None:
@@ -220,6 +221,7 @@ class KVCache:
             "host_wait_seconds": waits.host_wait_seconds,
             "staging": self._stager.stats(),
             "sequences": len(m.seqs),
+            "consistency_checks": self._checks_passed,
             "steps": c.steps,
             "block_bytes": bpb,
             "metadata_bytes": m.metadata_bytes(),
@@ -257,6 +259,7 @@ class KVCache:
                 f"{', '.join(map(str, ranks))} differ from rank {first + ref} (the majority of "
                 f"{tp.size}{' in replica ' + str(self.replica) if self.num_replicas > 1 else ''})",
                 ranks)
+        self._checks_passed += 1
 
     def state_digest(self) -> bytes:
         """xxh3-128 of the state that decides this cache's future behaviour (prefix index,

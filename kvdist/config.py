@@ -4,9 +4,13 @@ immutable :class:`CacheConfig`. Validation is pydantic's; every failure becomes 
 
 from __future__ import annotations
 
+__all__ = ["MOVED_KEYS", "CacheConfig", "CacheSection", "DiskTierConfig", "DistributedConfig",
+           "GpuTierConfig", "HostTierConfig", "ModelConfig", "RemoteConfig", "WorkloadConfig", "load_config"]
+
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,35 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+from .dtypes import ITEMSIZE
 from .errors import MISSING, ConfigError
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-DTYPE_BYTES = {
-    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
-}
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string with a unit (``64MiB``, ``2GB``, ``1.5GiB``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError("a size must be an int (bytes) or a string like '64MiB'")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _SIZE_RE.match(value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError("a size must look like 4096, '64MiB', '2GiB' or '500MB'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n < 0:
-        raise ValueError("a size cannot be negative")
-    return n
+from .units import GiB, parse_size
 
 
 def _positive_size(value: object) -> int:
@@ -77,8 +55,8 @@ class ModelConfig(_Section):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype; one of {', '.join(DTYPE_BYTES)}")
+        if v not in ITEMSIZE:
+            raise ValueError(f"unknown dtype; one of {', '.join(ITEMSIZE)}")
         return v
 
 
@@ -98,7 +76,7 @@ class GpuTierConfig(_Section):
 class HostTierConfig(_Section):
     bytes: Size | Literal["auto"] = 0
     # Registration granularity: one huge cudaHostRegister stalls every process on the node.
-    chunk_bytes: PositiveSize = 1024**3
+    chunk_bytes: PositiveSize = GiB
     prefault_threads: int = Field(default=0, ge=0)  # 0: one per core, at most 16
     auto_memory_fraction: float = Field(default=0.5, gt=0, le=1)
     auto_gpu_ratio: float = Field(default=4.0, gt=0)
@@ -211,7 +189,6 @@ class WorkloadConfig(_Section):
     vocab_size: int = Field(default=512, gt=1)
     hidden: int = Field(default=64, gt=0)  # the tiny model's width
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
-    check_consistency_every: int = Field(default=50, ge=0)  # steps; 0 = never
 
 
 class CacheConfig(_Section):
@@ -254,6 +231,28 @@ def _to_config_error(err: ValidationError) -> ConfigError:
     return ConfigError(key, e.get("input"), msg)
 
 
+# Keys that moved: the old key is still read, with a FutureWarning, into the new one;
+# giving both with different values is a ConfigError.
+MOVED_KEYS = {("workload", "check_consistency_every"): ("distributed", "check_consistency_every")}
+
+
+def _move_old_keys(data: dict) -> dict:
+    for (section, key), (new_section, new_key) in MOVED_KEYS.items():
+        old = data.get(section)
+        new = data.get(new_section, {})
+        if not isinstance(old, dict) or key not in old or not isinstance(new, dict):
+            continue
+        value = old[key]
+        if new_key in new and new[new_key] != value:
+            raise ConfigError(f"{section}.{key}", value, f"replaced by {new_section}.{new_key}, which "
+                              f"is {new[new_key]!r}: give only {new_section}.{new_key}")
+        warnings.warn(f"kvdist config: {section}.{key} is deprecated, read as {new_section}.{new_key}",
+                      FutureWarning, stacklevel=3)
+        data = {**data, section: {k: v for k, v in old.items() if k != key},
+                new_section: {**new, new_key: value}}
+    return data
+
+
 def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     """Validate a config given as a YAML path, a nested dict or a CacheConfig.
 
@@ -274,6 +273,7 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
         data = source
     if not isinstance(data, dict):
         raise ConfigError("<config>", type(data).__name__, "the config must be a mapping")
+    data = _move_old_keys(data)
     try:
         cfg = CacheConfig.model_validate(data)
     except ValidationError as err:

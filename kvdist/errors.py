@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+__all__ = ["CacheClosedError", "ConfigError", "ConsensusAbort", "ConsensusTimeout", "ConsistencyError",
+           "HostTierUnavailable", "KVDistError", "OutOfBlocksError", "StepOrderError"]
+
 
 class KVDistError(Exception):
     """Base class of every kvdist error."""

@@ -6,11 +6,14 @@ tiers is one contiguous copy of ``bytes_per_block`` bytes."""
 
 from __future__ import annotations
 
+__all__ = ["KVLayout"]
+
 from dataclasses import dataclass
 
 import xxhash
 
-from .config import DTYPE_BYTES, CacheConfig
+from .config import CacheConfig
+from .dtypes import ITEMSIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +31,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def layer_elems(self) -> int:

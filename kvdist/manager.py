@@ -42,12 +42,11 @@ from .blocks import (
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .layout import KVLayout
-from .prefix import PrefixIndex, chain_hashes, digest_bytes
+from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
 from .transfer import ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
 
-_MASK64 = (1 << 64) - 1
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 
 
@@ -306,7 +305,7 @@ class CacheManager:
         for i in range(len(hits), len(hashes)):
             h, s = hashes[i], slots[i]
             hi[s] = h >> 64
-            lo[s] = h & _MASK64
+            lo[s] = h & MASK64
         parent = digest_bytes(hashes[-1]) if hashes else self.salt
         seq = Sequence(seq_id, tok, slots, priority, len(hashes), parent, len(hits))
         self.seqs[seq_id] = seq
@@ -374,7 +373,7 @@ class CacheManager:
             hi, lo = meta.hi_mv, meta.lo_mv
             for h, s in zip(hashes, slots[seq.num_hashed : full]):
                 hi[s] = h >> 64
-                lo[s] = h & _MASK64
+                lo[s] = h & MASK64
             seq.num_hashed = full
             seq.parent = digest_bytes(hashes[-1])
         insert, state = self.index.insert, meta.state_mv

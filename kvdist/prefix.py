@@ -22,7 +22,7 @@ import xxhash
 
 from .blocks import NO_SLOT, BlockMeta
 
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 _hash128 = xxhash.xxh3_128_intdigest
 
 
@@ -55,7 +55,7 @@ def digest_bytes(h: int) -> bytes:
 
 def split(h: int) -> tuple[int, int]:
     """(hi, lo) 64-bit halves of a 128-bit hash."""
-    return h >> 64, h & _MASK64
+    return h >> 64, h & MASK64
 
 
 class PrefixIndex:
@@ -91,7 +91,7 @@ class PrefixIndex:
 
     def find(self, h: int) -> int:
         """Slot holding the block with hash ``h``, or NO_SLOT."""
-        return self._probe(h >> 64, h & _MASK64)[1]
+        return self._probe(h >> 64, h & MASK64)[1]
 
     def match(self, hashes: list[int]) -> list[int]:
         """Slots of the longest run of leading ``hashes`` that are indexed (the prefix
@@ -99,7 +99,7 @@ class PrefixIndex:
         t, mask, his, los = self._t, self._mask, self._hi, self._lo
         out: list[int] = []
         for h in hashes:
-            hi, lo = h >> 64, h & _MASK64
+            hi, lo = h >> 64, h & MASK64
             i = lo & mask
             while True:
                 s = t[i]

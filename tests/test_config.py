@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import kvdist
-from kvdist.config import parse_size
+from kvdist.units import parse_size
 
 from .conftest import make_cfg
 
@@ -137,3 +137,20 @@ def test_cli_missing_file_and_bad_yaml(tmp_path):
     p.write_text("model: [unclosed\n")
     r = _cli("run", "--config", str(p))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "YAML" in r.stderr
+
+
+def test_workload_check_consistency_every_is_read_as_the_distributed_key():
+    """Deprecated, still read: the main job's own key became the cache's one
+    (distributed.check_consistency_every); both with different values is a mistake."""
+    with pytest.warns(FutureWarning, match="workload.check_consistency_every is deprecated"):
+        cfg = kvdist.load_config(make_cfg(workload={"check_consistency_every": 7}))
+    assert cfg.distributed.check_consistency_every == 7
+    assert "check_consistency_every" not in cfg.normalized()["workload"]
+    with pytest.warns(FutureWarning):
+        same = kvdist.load_config(make_cfg(workload={"check_consistency_every": 7},
+                                           distributed={"check_consistency_every": 7}))
+    assert same == cfg
+    with pytest.raises(kvdist.ConfigError, match=r"workload.check_consistency_every.*give only "
+                                                 r"distributed.check_consistency_every"):
+        kvdist.load_config(make_cfg(workload={"check_consistency_every": 7},
+                                    distributed={"check_consistency_every": 5}))

@@ -28,7 +28,7 @@ from .conftest import make_cfg
 
 W = dict(requests=120, seed=3, system_prompts=3, system_prompt_tokens=40, conversations=10, turns=(2, 5),
          user_tokens=(3, 20), output_tokens=(2, 9), arrival_rate=1.5, max_batch=6, max_prefill_tokens=200,
-         vocab_size=97, hidden=32, verify_logits_every=1, check_consistency_every=7)
+         vocab_size=97, hidden=32, verify_logits_every=1)
 
 
 def sim_cfg(tmp_path, **workload):
@@ -36,7 +36,7 @@ def sim_cfg(tmp_path, **workload):
         model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
                "disk": {"path": str(tmp_path / "disk"), "bytes": 400 * 1024}},
-        workload={**W, **workload}))
+        distributed={"check_consistency_every": 7}, workload={**W, **workload}))
 
 
 # -- the trace ----------------------------------------------------------------------------------

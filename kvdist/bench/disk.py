@@ -18,10 +18,10 @@ import numpy as np
 from tabulate import tabulate
 from tqdm import tqdm
 
-from ..config import parse_size
 from ..layout import KVLayout
 from ..storage.disk import DiskPool, free_bytes
 from ..storage.host import HostMemory
+from ..units import gib, parse_size
 
 SEQ_CHUNK = 8 << 20
 SEQ = "sequential write/read, 1 thread, 8 MiB calls"
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     if 2 * size > free:
         print(f"{args.dir} has {free} bytes free; the benchmark needs {2 * size}")
         return 1
-    print(f"disk bench in {args.dir}: {size / 2**30:.2f} GiB each way, blocks of {block} B, "
+    print(f"disk bench in {args.dir}: {gib(size)} each way, blocks of {block} B, "
           f"batches of {args.batch}, {args.threads} I/O threads, {args.rounds} interleaved rounds; "
           f"writes timed through fdatasync, reads after posix_fadvise(DONTNEED) (buffered) or with O_DIRECT")
     modes = {"auto": (False, True), "on": (False, True), "off": (False,)}[args.direct]

@@ -16,11 +16,11 @@ import time
 import torch
 from tabulate import tabulate
 
-from ..config import parse_size
 from ..errors import HostTierUnavailable
 from ..storage.host import HUGE_PAGE, HostMemory, default_threads
 from ..storage.host_sizing import read_limits
 from ..storage.pinning import CudaRegistrar
+from ..units import GiB, gib, parse_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def _h2d_gbps(buf: torch.Tensor, dev: torch.device, n: int) -> float:
 
 
 def _copy_bytes(n: int) -> int:
-    return min(n, 1 << 30)
+    return min(n, GiB)
 
 
 def _warm(nbytes: int) -> float:
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
         print("no CUDA: nothing is registered; kvdist = mmap + parallel prefault, "
               "baseline = torch.zeros (allocate + fault). Run on a GPU machine for the pinning figures.")
     if not args.no_warm:
-        print(f"warming: faulting {max(sizes) / 2**30:.1f} GiB once, untimed ... ", end="", flush=True)
+        print(f"warming: faulting {gib(max(sizes), 1)} once, untimed ... ", end="", flush=True)
         print(f"{_warm(max(sizes)):.2f} s")
     rows = []
     for n in sizes:
@@ -146,12 +146,12 @@ def main(argv: list[str]) -> int:
                         res = _kvdist_side(n, dev, args)
                         best_k = res if best_k is None or res[0] < best_k[0] else best_k
                 except (HostTierUnavailable, RuntimeError) as e:
-                    print(f"{n / 2**30:.1f} GiB {side}: {e}")
+                    print(f"{gib(n, 1)} {side}: {e}")
         if best_t is None or best_k is None:
             continue
         (tt, tbw), (kt, kbw, tm, close_s) = best_t, best_k
         gb = n / 1e9
-        rows.append([f"{n / 2**30:g} GiB", f"{tt:.2f}", f"{gb / tt:.2f}", f"{kt:.2f}", f"{gb / kt:.2f}",
+        rows.append([f"{n / GiB:g} GiB", f"{tt:.2f}", f"{gb / tt:.2f}", f"{kt:.2f}", f"{gb / kt:.2f}",
                      f"{tt / kt:.1f}x", tm.method, tm.chunks, f"{tm.longest_call_s * 1e3:.0f}",
                      f"{tm.register_s:.2f}", f"{close_s:.2f}",
                      "-" if tbw is None else f"{tbw:.1f}", "-" if kbw is None else f"{kbw:.1f}"])

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-TIERS = ("gpu", "host", "disk")
+from ..blocks import TIER_NAMES as TIERS
+
 # What a rank without a plan contributes to the MIN: larger than any real capacity.
 UNPLANNED = np.iinfo(np.int64).max
 

@@ -7,7 +7,7 @@ Per step: ``begin_step`` → ``add_sequence`` for admitted prompts and
 its reference digest → the model's forward pass through ``kv_pool`` (one allreduce
 per layer) → ``end_step`` → ``release`` of finished requests. Every step the ranks
 also confirm that they reused the same prefixes (their caches must decide alike);
-every ``workload.check_consistency_every`` steps ``cache.check_consistency()``."""
+every ``distributed.check_consistency_every`` steps the cache's own ``check_consistency()``."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from ..cache import KVCache, create
 from ..config import CacheConfig
+from ..dtypes import torch_dtype
 from ..errors import ConsistencyError
-from ..storage.gpu import torch_dtype
 from .integrity import BlockLedger
 from .metrics import MetricsServer, Timeline, snapshot_from
 from .model import Segment, TinyModel
@@ -185,9 +185,6 @@ class Simulation:
         self.clock.cache_api += (t1 - t0) + (t3 - t2)
         self.clock.model += t2 - t1
         self._after_step(plan, appends, done)
-        every = w.check_consistency_every
-        if every and self.sched.step % every == 0:
-            self._check_consistency()
         return [run.req.rid for run in done]
 
     def _compute(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> None:
@@ -257,10 +254,6 @@ class Simulation:
             c.logits_failed += diff > self.tolerance * scale
             c.logits_max_abs_diff = max(c.logits_max_abs_diff, diff)
 
-    def _check_consistency(self) -> None:
-        self.cache.check_consistency()  # raises ConsistencyError on every rank
-        self.checks.consistency_checks += 1
-
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict:
         """Run every request to completion; returns the results (on every rank)."""
@@ -282,6 +275,7 @@ class Simulation:
         finally:
             bar.close()
         self.cache.synchronize()
+        self.checks.consistency_checks = self.cache.stats()["consistency_checks"]
         return self._results()
 
     def _progress_label(self) -> str:

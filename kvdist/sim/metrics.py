@@ -7,8 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-TIERS = ("gpu", "host", "disk")
-MOVES = ("offload", "onboard", "demote", "spill", "fetch")
+from ..blocks import TIER_NAMES as TIERS
+from ..transfer.routes import ROUTE_NAMES as MOVES
 
 
 @dataclass(slots=True)

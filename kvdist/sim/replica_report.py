@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
+from ..blocks import TIER_NAMES
 from ..config import CacheConfig
 from .ceiling import StepLog, replay
 from .driver import RunOptions
 from .report import check_lines, human_bytes, new_run_dir, point_latest, write_results
 from .workload import Trace
 
-LOCAL_TIERS = ("gpu", "host", "disk")
+LOCAL_TIERS = TIER_NAMES
 
 
 def _run_summary(parts: list[dict], replicas: int) -> dict:

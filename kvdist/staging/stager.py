@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..dtypes import torch_dtype_of
 from .uploads import Upload
 
 DEFAULT_SLOTS = 4  # two steps in flight (one ahead), two stages per step
@@ -81,7 +82,7 @@ class Stager:
         views = slot.views
         if views is None or views[0] != shape or views[1] != dtype:  # a batch keeps its shape
             views = slot.views = (shape, dtype, slot.host[:nbytes].view(dtype).reshape(shape),
-                                  slot.buf[:nbytes].view(_torch_dtype(dtype)).view(shape))
+                                  slot.buf[:nbytes].view(torch_dtype_of(dtype)).view(shape))
         host, src = views[2], views[3]
         self._open = (slot, src, host)
         return host
@@ -153,12 +154,3 @@ class Stager:
                 assert s.host.ctypes.data == s.buf.data_ptr(), "a slot's array is not its tensor's memory"
                 assert not self.upload.pinned or s.buf.is_pinned(), "a ring buffer is not pinned"
 
-
-_DTYPES: dict[np.dtype, torch.dtype] = {}
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    t = _DTYPES.get(dtype)
-    if t is None:
-        t = _DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
-    return t

@@ -2,7 +2,7 @@
 holds and how to read/write one; nothing about requests, hashes or ordering."""
 
 from .disk import DiskPool
-from .gpu import GpuPool, torch_dtype
+from .gpu import GpuPool
 from .host import HostPool
 
-__all__ = ["DiskPool", "GpuPool", "HostPool", "torch_dtype"]
+__all__ = ["DiskPool", "GpuPool", "HostPool"]

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..layout import KVLayout
 
-
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    assert isinstance(dt, torch.dtype), f"torch has no dtype {name}"
-    return dt
+__all__ = ["GpuPool"]
 
 
 class GpuPool:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from ..errors import HostTierUnavailable
 from ..layout import KVLayout
+from ..units import GiB, gib
 from .host_sizing import HostLimits, read_limits
 from .pinning import CudaRegistrar, Registrar, RegistrationError
 
@@ -44,7 +45,7 @@ MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 # madvise errors that mean "the node could not give the pages".
 _OUT_OF_MEMORY = {errno.ENOMEM, errno.EAGAIN, errno.EFAULT, 133}  # 133: EHWPOISON
-PROGRESS_MIN_BYTES = 1 << 30
+PROGRESS_MIN_BYTES = GiB
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -67,7 +68,7 @@ def default_threads() -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+    return f"{gib(n)} ({n} bytes)"
 
 
 @dataclass(slots=True)
@@ -97,7 +98,7 @@ class HostMemory:
     exist; removed again at close unless ``unlink`` ran first) or, with ``attach``,
     another process's file opened as it is (no prefault: its pages exist)."""
 
-    def __init__(self, nbytes: int, *, registrar: Registrar | None = None, chunk_bytes: int = 1 << 30,
+    def __init__(self, nbytes: int, *, registrar: Registrar | None = None, chunk_bytes: int = GiB,
                  align: int = 1, threads: int = 0, limits: HostLimits | None = None,
                  check_memlock: bool = True, huge_pages: bool = True, progress: bool | None = None,
                  prefault: str = "auto", shared_path: str | None = None, attach: bool = False):
@@ -326,7 +327,7 @@ class HostPool:
     then None). ``attach``: map another process's pool file instead (a peer's view)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, pin: bool, *, device: torch.device | None = None,
-                 chunk_bytes: int = 1 << 30, prefault_threads: int = 0, check_memlock: bool = True,
+                 chunk_bytes: int = GiB, prefault_threads: int = 0, check_memlock: bool = True,
                  huge_pages: bool = True, registrar: Registrar | None = None,
                  limits: HostLimits | None = None, progress: bool | None = None, rank: int = 0,
                  shared_path: str | None = None, attach: bool = False):

@@ -11,6 +11,8 @@ import os
 import resource
 from dataclasses import dataclass
 
+from ..units import gib
+
 # Share of RLIMIT_MEMLOCK the tier may take: the rest stays for the engine's own
 # locked buffers (NCCL, RDMA registrations).
 MEMLOCK_SHARE = 0.8
@@ -76,8 +78,8 @@ class AutoHostSize:
     bounds: dict[str, int]
 
     def describe(self) -> str:
-        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.bounds.items())
-        return f"host tier auto size {self.nbytes / 2**30:.2f} GiB per rank, bound by {self.bound} ({parts})"
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in self.bounds.items())
+        return f"host tier auto size {gib(self.nbytes)} per rank, bound by {self.bound} ({parts})"
 
 
 def auto_host_bytes(gpu_bytes: int, local_ranks: int, *, memory_fraction: float, gpu_ratio: float,

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from .. import cudart
+
 # cudaHostRegisterPortable: pinned for every CUDA context, so a rank whose GPU is
 # not device 0 (and any engine thread on another device) sees the memory as pinned.
 HOST_REGISTER_PORTABLE = 1
@@ -21,13 +23,11 @@ def _clear_torch_last_error() -> None:
     """Reset the last-error slot of the libcudart torch loaded: torch checks it after
     every kernel launch, and a handled registration failure must not resurface there.
     torch.cuda.cudart() has no cudaGetLastError, so load the same library by path."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-        for path in paths:
+    for path in cudart.loaded_paths():
+        try:
             ctypes.CDLL(path).cudaGetLastError()
-    except OSError:
-        pass
+        except OSError:
+            pass
 
 
 class RegistrationError(Exception):

@@ -30,6 +30,10 @@ from collections import Counter
 import numpy as np
 import torch
 
+from .. import cudart
+
+__all__ = ["PATHS", "BatchCopier", "bindings_version", "coalesce"]
+
 log = logging.getLogger("kvdist.transfer")
 
 PATHS = ("memcpy-batch", "runs", "per-block")
@@ -72,24 +76,6 @@ def coalesce(src: np.ndarray, dst: np.ndarray, src_chunk: int = 0,
     return s[starts], d[starts], lengths
 
 
-def loaded_cudart() -> tuple[ctypes.CDLL | None, str | None]:
-    """The CUDA runtime library this process has loaded (torch's), else one by name."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                if "libcudart.so" in line:
-                    path = line.split()[-1]
-                    return ctypes.CDLL(path), path
-    except OSError:
-        pass
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name), name
-        except OSError:
-            continue
-    return None, None
-
-
 def bindings_version() -> str | None:
     try:
         return importlib.metadata.version("cuda-bindings")
@@ -105,7 +91,7 @@ class BatchCopier:
         assert prefer is None or prefer in PATHS, f"unknown copy path {prefer!r}"
         torch.cuda.init()
         self.device = device
-        self.lib, self.lib_path = loaded_cudart()
+        self.lib, self.lib_path = cudart.load()
         self.runtime_version = self._runtime_version()
         self.batch_api: str | None = None  # "ctypes" | "cuda-bindings"
         self._batch = self._find_batch()

@@ -345,9 +345,11 @@ def test_check_consistency_every_n_steps(world, shared_dir):
     try:
         _step(cache, 0, list(range(9)))
         _step(cache, 1, list(range(9)))  # step 2: checked, consistent
+        assert cache.stats()["consistency_checks"] == 1
         _step(cache, 2, list(range(world.rank == odd, 9)))  # step 3 diverges, not checked
         if world.size == 1:
             _step(cache, 3, [1, 2, 3])
+            assert cache.stats()["consistency_checks"] == 2
         else:
             with pytest.raises(kvdist.ConsistencyError) as e:
                 _step(cache, 3, [1, 2, 3])  # step 4: checked at end_step

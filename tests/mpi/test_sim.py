@@ -63,10 +63,11 @@ def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factor
         model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
                "disk": {"path": str(base / "disk"), "bytes": 400 * 1024}, "simulate_async": True},
+        distributed={"check_consistency_every": 10},
         workload={"requests": 100, "seed": 5, "system_prompts": 3, "system_prompt_tokens": 40,
                   "conversations": 10, "turns": [2, 5], "user_tokens": [3, 20], "output_tokens": [2, 9],
                   "arrival_rate": 1.5, "max_batch": 6, "max_prefill_tokens": 200, "vocab_size": 97,
-                  "hidden": 32, "verify_logits_every": 3, "check_consistency_every": 10}))
+                  "hidden": 32, "verify_logits_every": 3}))
     r = run(cfg, RunOptions(out=str(base / "runs"), progress=False))
     assert r["ok"], r["integrity"]
     assert r["world_size"] == world.size and r["requests"] == 100

@@ -23,11 +23,12 @@ def replicas_cfg(world_size: int, **workload):
     return kvdist.load_config(make_cfg(
         model={"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 40}, "host": {"bytes": 256 * 1024}},
-        distributed={"tp_size": world_size // 2, "remote": {"enabled": True, "fetch_timeout_ms": 2000}},
+        distributed={"tp_size": world_size // 2, "remote": {"enabled": True, "fetch_timeout_ms": 2000},
+                     "check_consistency_every": 10},
         workload={"requests": 70, "seed": 2, "system_prompts": 4, "system_prompt_tokens": 16,
                   "conversations": 8, "turns": [3, 6], "user_tokens": [3, 10], "output_tokens": [2, 6],
                   "think_steps": 12, "arrival_rate": 1.0, "max_batch": 6, "max_prefill_tokens": 200,
-                  "vocab_size": 97, "hidden": 16, "verify_logits_every": 3, "check_consistency_every": 10,
+                  "vocab_size": 97, "hidden": 16, "verify_logits_every": 3,
                   "routing": "round_robin", **workload}))
 
 
