@@ -226,7 +226,8 @@ def test_main_job_tp4_across_two_nodes(world, hosts):
 
     cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     cfg["cache"]["disk"]["path"] = SCRATCH
-    cfg["workload"].update(conversations=16, check_consistency_every=10)
+    cfg["workload"]["conversations"] = 16
+    cfg["distributed"]["check_consistency_every"] = 10
     with tempfile.TemporaryDirectory(prefix="kvdist-job-") as mine:
         (Path(mine) / "job.yaml").write_text(yaml.safe_dump(cfg))
         out = Path(mine) / "runs"  # only rank 0 writes results
