@@ -2,7 +2,8 @@
 trace, drives its own cache through the public API, runs its heads of the tiny
 model against the cache, and verifies what the cache hands back.
 
-Per step: ``begin_step`` → ``add_sequence`` for admitted prompts and
+Per step: ``begin_step`` → the scheduler's plan (a replica's scheduler prefetches
+arrivals here) → ``add_sequence`` for admitted prompts and
 ``append_tokens`` for decodes → ``block_table`` → check every reused block against
 its reference digest → the model's forward pass through ``kv_pool`` (one allreduce
 per layer) → ``end_step`` → ``release`` of finished requests. Every step the ranks
@@ -153,16 +154,16 @@ class Simulation:
         self._setup_reporting()
 
     # -- one step --------------------------------------------------------------------------------
-    def _step(self, plan: StepPlan) -> list[int]:
+    def _step(self) -> list[int]:
         cache, w = self.cache, self.w
+        t0 = time.perf_counter()
+        cache.begin_step()
+        plan = self.sched.next_step()  # in the step: a prefetch may evict, like add_sequence
         if not plan.batch:  # every runnable request waits for its prefetch: let the cache work
-            cache.begin_step()
             cache.end_step()
             self.sched.complete(plan)
             os.sched_yield()  # ranks outnumber cores: the holders need the core more
             return []
-        t0 = time.perf_counter()
-        cache.begin_step()
         reused = []
         for run in plan.prefills:
             reused.append(cache.add_sequence(run.req.rid, run.req.prompt.tolist(), w.priority))
@@ -264,11 +265,10 @@ class Simulation:
                    mininterval=0.2 if sys.stderr.isatty() else 5.0)
         try:
             while not self.sched.done():
-                plan = self.sched.next_step()
                 try:
-                    done = self._step(plan)
+                    done = self._step()
                 except ConsistencyError as e:  # every rank learns it at the same collective
-                    self.checks.consistency_error = f"step {plan.step}: {e}"
+                    self.checks.consistency_error = f"step {self.sched.step}: {e}"
                     break
                 if self.rank0:
                     self._progress(bar, done)
