@@ -84,31 +84,58 @@ def test_a_chats_next_turn_waits_for_the_reply_and_the_think_time():
 
 # -- the scheduler of one replica -----------------------------------------------------------------
 class HoldFor:
-    """A gate that holds each request back for ``steps`` calls."""
+    """A gate that holds each request back for ``steps`` calls after its start."""
 
     def __init__(self, steps):
-        self.steps, self.calls = steps, {}
+        self.steps, self.calls, self.started = steps, {}, []
 
-    def ready(self, eligible):
-        for r in eligible:
+    def start(self, req):
+        self.started.append(req.rid)
+
+    def ready(self, started):
+        assert all(r.rid in self.started for r in started)
+        for r in started:
             self.calls[r.rid] = self.calls.get(r.rid, 0) + 1
-        return {r.rid for r in eligible if self.calls[r.rid] > self.steps}
+        return {r.rid for r in started if self.calls[r.rid] > self.steps}
+
+
+def drain_gated(sched):
+    plans = []
+    while not sched.done():
+        plan = sched.next_step()
+        plans.append((plan.clock, [r.req.rid for r in plan.prefills], [r.req.rid for r in plan.decodes]))
+        assert sched.reserved == sum(r.reserved for r in sched.running) + sum(sched._ahead.values())
+        assert sched.reserved <= sched.gpu_blocks
+        sched.complete(plan)
+    return plans
 
 
 def test_gated_admission_waits_and_turns_served_elsewhere_do_not_block():
     # Request 1 continues request 0, which another replica serves: it is runnable at once.
     share = Trace([req(1, range(10), after=0, output=(1, 2, 3)), req(2, range(20, 30), arrival=1)], [])
+    gate = HoldFor(2)
     sched = Scheduler(share, max_batch=4, max_prefill_tokens=100, gpu_blocks=20, tokens_per_block=4,
-                      gate=HoldFor(2))
-    plans = []
-    while not sched.done():
-        plan = sched.next_step()
-        plans.append((plan.clock, [r.req.rid for r in plan.prefills], [r.req.rid for r in plan.decodes]))
-        sched.complete(plan)
+                      gate=gate)
     # steps 0, 1: request 1 held (empty steps); 2: admitted; request 2 arrived at 1, held 1-2, in at 3
-    assert plans == [(0, [], []), (1, [], []), (2, [1], []), (3, [2], [1]), (4, [], [1, 2])]
+    assert drain_gated(sched) == [(0, [], []), (1, [], []), (2, [1], []), (3, [2], [1]), (4, [], [1, 2])]
+    assert gate.started == [1, 2]
 
 
+def test_gated_requests_hold_their_blocks_from_the_prefetch_on():
+    """A prefetch may land blocks in the GPU tier before its request is admitted: the
+    request's worst case is reserved before the prefetch starts, so running requests
+    can always grow. Three requests of 3 blocks, 6 blocks: the third starts only when
+    the first finishes."""
+    share = Trace([req(k, range(10 * k, 10 * k + 10), output=(1, 2, 3)) for k in range(3)], [])
+    gate = HoldFor(1)
+    sched = Scheduler(share, max_batch=4, max_prefill_tokens=100, gpu_blocks=6, tokens_per_block=4, gate=gate)
+    plans = drain_gated(sched)
+    assert plans == [(0, [], []), (1, [0, 1], []), (2, [], [0, 1]), (3, [], [0, 1]), (4, [], []),
+                     (5, [2], []), (6, [], [2]), (7, [], [2])]
+    assert gate.started == [0, 1, 2]
+
+
+# -- the prefetch gate over the cache -------------------------------------------------------------
 # -- the prefetch gate over the cache -------------------------------------------------------------
 class FakeCache:
     """Prefetch bookkeeping as the cache exposes it: ``blocks[rid]`` blocks to fetch,
@@ -129,21 +156,26 @@ def test_prefetch_gate_starts_each_prefetch_once_and_admits_what_landed():
     cache = FakeCache({1: 3, 2: 2})
     gate = PrefetchGate(cache)
     a, b, c = req(0, range(8)), req(1, range(8)), req(2, range(8))
-    assert gate.ready([a, b, c]) == {0}  # nothing to fetch for 0
-    assert gate.ready([b, c]) == set() and cache.prefetches == [0, 1, 2]
+    for r in (a, b, c):
+        gate.start(r)
+    assert cache.prefetches == [0, 1, 2] and gate.prefetched == 2  # nothing to fetch for 0
+    assert gate.ready([a, b, c]) == {0}
+    assert gate.ready([b, c]) == set()
     cache.landed.add(2)
     assert gate.ready([b, c]) == {2}
     cache.landed.add(1)
-    assert gate.ready([b]) == {1} and cache.prefetches == [0, 1, 2]
-    assert (gate.prefetched, gate.held) == (2, 2)
-    assert gate.ready([c]) == {2} and cache.prefetches == [0, 1, 2, 2]  # came back: a new request
+    assert gate.ready([b]) == {1}
+    assert gate.held == 2 and cache.prefetches == [0, 1, 2]
 
 
 def test_prefetch_gate_over_a_real_cache_admits_at_once_without_remote_blocks():
     cache = kvdist.create(make_cfg(cache={"gpu": {"blocks": 16}}))
     try:
         gate = PrefetchGate(cache)
+        cache.begin_step()  # a prefetch belongs to a step (it may evict, like add_sequence)
+        gate.start(req(0, range(9)))
         assert gate.ready([req(0, range(9))]) == {0} and gate.prefetched == 0
+        cache.end_step()
     finally:
         cache.close()
 

@@ -1,9 +1,9 @@
-"""Admission behind prefetches: a request's remote (and disk) blocks start moving when
-it becomes runnable (``cache.prefetch``), and the scheduler admits it once
-``cache.prefetch_ready`` says nothing of it is still on the way — landed, or given up
-after ``distributed.remote.fetch_timeout_ms``. The cache agrees that answer inside
-the TP group at step boundaries, so every rank of a replica admits the same requests
-in the same step."""
+"""Admission behind prefetches: once the scheduler has reserved a runnable request's
+GPU blocks, ``cache.prefetch`` starts moving the blocks other replicas (or the disk)
+hold, and the request is admitted when ``cache.prefetch_ready`` says nothing of it is
+still on the way — landed, or given up after ``distributed.remote.fetch_timeout_ms``.
+The cache agrees that answer inside the TP group at step boundaries, so every rank of
+a replica admits the same requests in the same step."""
 
 from __future__ import annotations
 
@@ -26,20 +26,17 @@ class PrefetchGate:
 
     def __init__(self, cache: Prefetching):
         self.cache = cache
-        self._started: set[int] = set()  # runnable requests whose prefetch started
-        self._held: set[int] = set()  # of those, the ones held back at least one step
+        self._held: set[int] = set()  # started requests held back at least one step
         self.prefetched = 0  # requests that had blocks to fetch
         self.held = 0  # requests admitted at least one step late for their prefetch
 
-    def ready(self, eligible: list[Request]) -> set[int]:
-        ids = {req.rid for req in eligible}
-        self._started &= ids  # admitted requests are gone for good
-        self._held &= ids
+    def start(self, req: Request) -> None:
+        self.prefetched += self.cache.prefetch(req.rid, req.prompt.tolist()) > 0
+
+    def ready(self, started: list[Request]) -> set[int]:
+        self._held &= {req.rid for req in started}  # admitted ones are gone for good
         out = set()
-        for req in eligible:
-            if req.rid not in self._started:
-                self._started.add(req.rid)
-                self.prefetched += self.cache.prefetch(req.rid, req.prompt.tolist()) > 0
+        for req in started:
             if self.cache.prefetch_ready(req.rid):
                 out.add(req.rid)
             elif req.rid not in self._held:

@@ -41,15 +41,24 @@ class StepPlan:
 
 
 class AdmissionGate(Protocol):
-    def ready(self, eligible: list[Request]) -> set[int]:
-        """Ids of the ``eligible`` requests (arrived, previous turn done) that may be
-        admitted this step; identical on every rank of the TP group (collective)."""
+    def start(self, req: Request) -> None:
+        """``req``'s GPU blocks are reserved: start moving its cached blocks here."""
+        ...
+
+    def ready(self, started: list[Request]) -> set[int]:
+        """Ids of the ``started`` requests that may be admitted this step; identical on
+        every rank of the TP group."""
         ...
 
 
 class Scheduler:
     """FIFO admission under three limits: ``max_batch`` sequences, ``max_prefill_tokens``
-    prompt tokens per step (a longer prompt runs alone), and the GPU tier's blocks."""
+    prompt tokens per step (a longer prompt runs alone), and the GPU tier's blocks.
+
+    With a gate, a runnable request's blocks are reserved first (FIFO, under the GPU
+    limit alone) and the gate starts moving its cached blocks then — a prefetch may
+    land them in GPU blocks, which the reservation covers — and the request is admitted
+    once the gate says so, under the other two limits."""
 
     def __init__(self, trace: Trace, *, max_batch: int, max_prefill_tokens: int,
                  gpu_blocks: int, tokens_per_block: int, gate: AdmissionGate | None = None):
@@ -67,6 +76,7 @@ class Scheduler:
         self._waiting: list[Request] = []  # arrived, not admitted
         self._finished: set[int] = set()
         self._mine = {r.rid for r in trace.requests}
+        self._ahead: dict[int, int] = {}  # gated: request id -> blocks reserved before admission
         self.running: list[Running] = []
         self.reserved = 0
         self.step = 0
@@ -93,26 +103,44 @@ class Scheduler:
         admitted: list[Request] = []
         # A chat's previous turn still running here holds its next turn back.
         eligible = [r for r in self._waiting if r.after not in self._mine or r.after in self._finished]
-        allowed = None if self.gate is None else self.gate.ready(eligible)
+        allowed = None if self.gate is None else self._gate(eligible)
         for req in eligible:
             if allowed is not None and req.rid not in allowed:
-                continue  # its prefetch is still landing
+                continue  # its blocks are on their way, or not reserved yet
             need = req.blocks_needed(self.tpb)
+            ahead = req.rid in self._ahead
             if (len(self.running) + len(plan.prefills) >= self.max_batch
-                    or self.reserved + need > self.gpu_blocks
+                    or (not ahead and self.reserved + need > self.gpu_blocks)
                     or (plan.prefills and prefill_tokens + len(req.prompt) > self.max_prefill_tokens)):
                 break  # strict FIFO among ready requests: a large one is not starved
+            if ahead:
+                del self._ahead[req.rid]
+            else:
+                self.reserved += need
             run = Running(req, reserved=need)
             plan.prefills.append(run)
             admitted.append(req)
             prefill_tokens += len(req.prompt)
-            self.reserved += need
         if admitted:
             ids = {r.rid for r in admitted}
             self._waiting = [r for r in self._waiting if r.rid not in ids]
         self.running.extend(plan.prefills)
         assert plan.batch or eligible, "a step with nothing to do"  # empty: held by the gate
         return plan
+
+    def _gate(self, eligible: list[Request]) -> set[int]:
+        """Reserve the blocks of runnable requests in FIFO order and start their
+        prefetches; the ids the gate lets in."""
+        for req in eligible:
+            if req.rid in self._ahead:
+                continue
+            need = req.blocks_needed(self.tpb)
+            if self.reserved + need > self.gpu_blocks:
+                break
+            self._ahead[req.rid] = need
+            self.reserved += need
+            self.gate.start(req)
+        return self.gate.ready([r for r in eligible if r.rid in self._ahead])
 
     def complete(self, plan: StepPlan) -> list[Running]:
         """Account the step's generated tokens; returns the requests that finished."""
