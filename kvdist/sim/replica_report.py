@@ -55,6 +55,11 @@ def _run_summary(parts: list[dict], replicas: int) -> dict:
         "bytes_fetched_remote": sum(r["bytes_fetched_remote"] for r in rows),
         "remote_misses": sum(r["remote_misses"] for r in rows),
         "steps": max(r["steps"] for r in rows),
+        # Per step of each rank's own replica, averaged over the ranks.
+        "cache_api_us_per_step": 1e6 * _mean(p["clock"][0] / max(p["steps"], 1) for p in parts),
+        "bookkeeping_us_per_step": 1e6 * _mean(p["stats"]["bookkeeping_seconds"] / max(p["steps"], 1)
+                                               for p in parts),
+        "model_ms_per_step": 1e3 * _mean(p["clock"][1] / max(p["steps"], 1) for p in parts),
         "integrity": {
             "blocks_checked": sum(x[0] for x in ledgers), "mismatched_blocks": mismatches,
             "unknown_blocks": sum(x[2] for x in ledgers), "recomputed_variants": sum(x[3] for x in ledgers),
@@ -70,6 +75,11 @@ def _run_summary(parts: list[dict], replicas: int) -> dict:
                      and mismatches == 0 and summary["integrity"]["logits_failed"] == 0
                      and summary["integrity"]["consistency_error"] is None)
     return summary
+
+
+def _mean(values) -> float:
+    v = list(values)
+    return sum(v) / len(v)
 
 
 def _turns(trace: Trace, routes: np.ndarray, logs: list[StepLog]) -> dict:
@@ -186,6 +196,9 @@ def render(r: dict) -> str:
     out.append("(fetched: bytes pulled from other replicas, all TP ranks; remote misses: stale or timed-out "
                "lookups; prefetched: requests with blocks to fetch on arrival; held: those admitted a step "
                "or more late for them)")
+    for name, run in r["runs"].items():
+        out.append(f"per step, {name}: cache bookkeeping {run['bookkeeping_us_per_step']:.0f} µs, all cache "
+                   f"calls {run['cache_api_us_per_step']:.0f} µs, model {run['model_ms_per_step']:.1f} ms")
     i = r["integrity"]
     out.append("")
     out.extend(check_lines(i, f"on {r['world_size']} ranks in {len(r['runs'])} runs (blocks from another "
