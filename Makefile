@@ -1,6 +1,8 @@
 # make run  — the main job (4 ranks on configs/default.yaml, CPU)
 # make test — lint, unit tests, then the MPI tests under mpiexec -n 4
 # Both create .venv on first use.
+# make gpu-test, make gpu-bench — on a CUDA machine: the CUDA tests, the GPU benchmarks
+# (with the venv's Python when there is one, else GPU_PY=python3: kvdist installed)
 
 SHELL    := /bin/bash
 PY       ?= python3
@@ -13,7 +15,7 @@ CONFIG   ?= configs/default.yaml
 export MPIEXEC_TIMEOUT ?= 600
 export PYTHONUNBUFFERED := 1
 
-.PHONY: run test lint unit mpi venv clean nodes-tools
+.PHONY: run test lint unit mpi venv clean nodes-tools gpu-test gpu-bench gpu-check
 
 venv: $(STAMP) $(OMPI)
 
@@ -46,7 +48,7 @@ run: $(STAMP)
 
 # Ruff silently skips folders it excludes by default (dist, build, ...): fail if any
 # Python file of the tree is not in its list.
-LINT_PATHS := kvdist tests launch
+LINT_PATHS := kvdist tests launch scripts
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS) launch/kvdist-launch
 	@missing=$$(comm -23 <(find $(LINT_PATHS) -name '*.py' | sort) \
@@ -60,6 +62,22 @@ mpi: $(STAMP)
 	$(BIN)/mpiexec -n $(NP) $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests/mpi
 
 test: lint unit mpi
+
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	    'no CUDA device here: make gpu-test and gpu-bench need one')"
+
+# The tests marked gpu (race scenarios on gated streams, staging races, CUDA churns, the
+# pinned host tier); they load CUDA modules eagerly, so none loads while a stream is held.
+gpu-test: gpu-check
+	CUDA_MODULE_LOADING=EAGER $(GPU_PY) -m pytest -q -p no:cacheprovider -rfEs -m gpu tests
+
+gpu-bench: export TQDM_DISABLE := 1
+gpu-bench: gpu-check
+	$(GPU_PY) -m kvdist bench transfer
+	$(GPU_PY) -m kvdist bench staging
+	$(GPU_PY) -m kvdist bench pin --repeat 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

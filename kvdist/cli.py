@@ -11,7 +11,7 @@ import sys
 
 from .errors import ConfigError
 
-BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus")
+BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus", "drills")
 
 
 def _parser() -> argparse.ArgumentParser:

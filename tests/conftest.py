@@ -4,6 +4,20 @@ from dataclasses import dataclass, field
 
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it (``make gpu-test`` runs them,
+    and fails on a machine without CUDA instead)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in gpu:
+            item.add_marker(skip)
+
 BASE = {
     "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"},
     "cache": {"tokens_per_block": 4, "device": "cpu", "gpu": {"blocks": 8}},

@@ -309,7 +309,7 @@ def test_plan_capacity_host_auto_uses_the_per_rank_share(monkeypatch, ranks):
     assert (gpu, host, disk) == (1000, min((32 << 20) // ranks, 2048000) // 512, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_registration_pins_in_chunks_and_copies_asynchronously():
     layout = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=16)
     dev = torch.device("cuda")

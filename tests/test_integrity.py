@@ -8,7 +8,6 @@ simulated streams must corrupt (the rule-off cases)."""
 import random
 
 import pytest
-import torch
 
 import kvdist
 import kvdist.testing
@@ -86,7 +85,7 @@ def test_no_disk_tier_spills_gpu_to_disk_without_host(cfg_factory):
         cache.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_churn_on_cuda_with_pinned_host_tier(cfg_factory):
     """The same churn with the GPU tier in CUDA memory and a pinned host tier."""
     seams = Seams()

@@ -4,6 +4,7 @@ choice from its node-local rank under faked node layouts."""
 
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -22,17 +23,23 @@ def fake_mpiexec(tmp_path: Path, version: str) -> Path:
     return path
 
 
-def launch(*argv: str, env: dict | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
-    unset = ("MPIEXEC", "MPIEXEC_TIMEOUT", "MPI4PY_LIBMPI")
-    full_env = {k: v for k, v in os.environ.items() if k not in unset}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, str(LAUNCH), *argv], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT)
+@pytest.fixture(autouse=True)
+def launcher_env(monkeypatch):
+    """The launcher reads these; the caller's values (a GPU box exports MPIEXEC) must not
+    change what a test sees."""
+    for name in ("MPIEXEC", "MPIEXEC_TIMEOUT", "MPI4PY_LIBMPI", "KVDIST_PYTHON"):
+        monkeypatch.delenv(name, raising=False)
 
 
-def dry_run(*argv: str, env: dict | None = None) -> tuple[dict, list[str]]:
+def launch(*argv: str, env: dict | None = None, timeout: int = 60,
+           script: Path = LAUNCH) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=ROOT)
+
+
+def dry_run(*argv: str, env: dict | None = None, script: Path = LAUNCH) -> tuple[dict, list[str]]:
     """The environment assignments and the command line the launcher would run."""
-    out = launch("--dry-run", *argv, env=env)
+    out = launch("--dry-run", *argv, env=env, script=script)
     assert out.returncode == 0, out.stderr
     words = shlex.split(out.stdout.strip())
     assignments = {}
@@ -71,8 +78,14 @@ def test_open_mpi_command_line_forwards_kvdist_environment(tmp_path):
 
 
 def test_finds_the_venv_mpiexec_and_rejects_a_wrong_one(tmp_path):
-    env, cmd = dry_run("--timeout", "0", "bench", "manager")
-    assert cmd[0] == str(ROOT / ".venv" / "bin" / "mpiexec") and "MPIEXEC_TIMEOUT" not in env
+    # A checkout of its own (the launcher and a .venv with an mpiexec), whatever this
+    # machine's repository and environment hold.
+    (tmp_path / "launch").mkdir()
+    script = Path(shutil.copy(LAUNCH, tmp_path / "launch" / "kvdist-launch"))
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    venv_mpiexec = fake_mpiexec(tmp_path / ".venv" / "bin", "HYDRA build details: Version: 4.2.0")
+    env, cmd = dry_run("--timeout", "0", "bench", "manager", script=script)
+    assert cmd[0] == str(venv_mpiexec) and "MPIEXEC_TIMEOUT" not in env
     assert cmd[-3:] == ["kvdist", "bench", "manager"]
     out = launch("run", "--config", "x", env={"MPIEXEC": str(tmp_path / "missing")})
     assert out.returncode == 127 and "is not an executable" in out.stderr

@@ -15,8 +15,7 @@ from kvdist.testing import Seams
 from .cuda_gate import SpinGate
 from .test_staging import PROTECT, T, host_view, intact
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gate():

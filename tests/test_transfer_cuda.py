@@ -21,7 +21,7 @@ from kvdist.transfer import ALL_RULES, OFFLOAD
 from .cuda_gate import SpinGate
 from .test_transfer_scenarios import SCENARIOS, SimHarness, fill, host_tag, tag_of
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 class CudaHarness:
     """The scenario driver of test_transfer_scenarios.py on CUDA."""

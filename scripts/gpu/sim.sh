@@ -3,10 +3,10 @@
 # bf16 512 KiB blocks; per rank 3 GiB GPU tier, 6 GiB pinned host, 8 GiB disk). A short
 # smoke run first if SMOKE=N (stops the script if it fails), then the full run; prints the final
 # tables. Run from the repo root on the device machine:
-#   bash gpu/sim.sh                 (sources gpu/env.sh when $MPIEXEC is unset)
+#   bash scripts/gpu/sim.sh                 (sources scripts/gpu/env.sh where .whl/ is carried)
 # Knobs: NP=4 CONFIG=configs/h200.yaml REQUESTS=<override> SMOKE=<requests of a short run first>
 set -u
-if [ -z "${MPIEXEC:-}" ]; then source gpu/env.sh || exit 1; fi
+if [ -d .whl ] && [ -z "${MPIEXEC:-}" ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
 NP=${NP:-4}
 CONFIG=${CONFIG:-configs/h200.yaml}
 SMOKE=${SMOKE:-0}

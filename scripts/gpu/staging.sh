@@ -3,9 +3,9 @@
 # by a spin gate (protected and rule-off cases), the steady-state check, the CUDA
 # integrity churn (block_table now goes through the stager), then `bench staging` with a
 # stand-in forward pass (the GPU a step behind) and without one.
-# Run from the repo root on the device machine, with .whl carried (gpu/env.sh installs it).
+# From the repo root on a CUDA machine with kvdist installed.
 set -u
-source gpu/env.sh || exit 1
+if [ -d .whl ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 python3 -m pytest -q -p no:cacheprovider -rA tests/test_staging_cuda.py tests/test_staging.py \
     "tests/test_integrity.py::test_churn_on_cuda_with_pinned_host_tier" 2>&1 \

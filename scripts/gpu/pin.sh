@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Host and disk tier figures on the H200 (issue 6). From the repo root: bash gpu/pin.sh
+# Host and disk tier figures on the H200 (issue 6). From the repo root: bash scripts/gpu/pin.sh
 # Prints: bench pin (8 GiB and 32 GiB, kvdist vs torch.empty(pin_memory=True)), bench disk
 # on the machine's local disk, and the GPU-dependent host/disk/integrity tests.
 set -u
-if [ -d .whl ]; then source gpu/env.sh || exit 1; fi  # carried wheels (pydantic ...) where missing
+if [ -d .whl ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
 export PYTHONUNBUFFERED=1
 echo "== node: $(nproc) cores, $(grep MemAvailable /proc/meminfo | tr -s ' '), memlock $(ulimit -l)," \
      "THP $(cat /sys/kernel/mm/transparent_hugepage/enabled)"

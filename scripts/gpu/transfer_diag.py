@@ -9,7 +9,7 @@ call issued to idle streams (the submission cost):
   engine     a cache step: begin_step, copy_many, before_compute (what bench transfer times)
   ceiling    contiguous copies of the same bytes
 
-Usage: python3 gpu/transfer_diag.py [128KiB|512KiB|2MiB] [rounds] [seconds]"""
+Usage: python3 scripts/gpu/transfer_diag.py [128KiB|512KiB|2MiB] [rounds] [seconds]"""
 
 from __future__ import annotations
 

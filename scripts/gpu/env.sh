@@ -1,5 +1,7 @@
-# Source this first in every device-machine script (from the repo root):
-#   source gpu/env.sh
+# This workplace's device machine only (optional elsewhere): the scripts of scripts/gpu
+# source it when the repository carries wheels in .whl/ (from the repo root):
+#   source scripts/gpu/env.sh
+# On any other CUDA machine, install kvdist (make venv, or pip install -e .) instead.
 # Installs the carried wheels (.whl/: mpich, mpi4py, pytest-mpi, pydantic...) into
 # /tmp/site and points mpi4py at MPICH's libmpi (the image also has Open MPI's, which
 # mpi4py would otherwise pick, giving every rank rank 0).
