@@ -18,6 +18,7 @@ TIER_NAMES = ("gpu", "host", "disk")
 FREE = 0  # on its tier's free stack, holds nothing
 ACTIVE = 1  # holds a block being filled, not in the prefix index
 CACHED = 2  # holds a full block that is in the prefix index
+LANDING = 3  # reserved for a block fetched from another replica, not agreed yet (remote tier)
 
 NO_SLOT = -1
 

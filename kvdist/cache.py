@@ -13,10 +13,13 @@ from .blocks import TIER_NAMES
 from .candidate import CandidateBuilder, RankCache
 from .config import CacheConfig, load_config
 from .distributed import comm as dist_comm
+from .distributed import remote_setup
 from .distributed.consensus import Committed, InitStatus, InitTiming, establish, outliers
+from .distributed.remote import RemoteTier
 from .distributed.replicas import ReplicaComms, ReplicaLayout
 from .errors import CacheClosedError, ConsistencyError, StepOrderError
-from .eviction import DEFAULT_PRIORITY
+from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES
+from .landing import ManagerSlots
 from .layout import KVLayout
 from .seams import Seams
 from .transfer import SimulatedCompute
@@ -47,11 +50,11 @@ class KVCache:
     time. After ``close()`` every call but ``close()`` raises CacheClosedError."""
 
     __slots__ = ("_check_every", "_checks_passed", "_closed", "_comm", "_in_step", "_init", "_manager",
-                 "_parts", "_replicas", "_stager", "config", "device", "init_status", "num_replicas",
-                 "rank", "replica", "tiers", "tp_rank", "tp_size", "world_size")
+                 "_parts", "_remote", "_replicas", "_stager", "config", "device", "init_status",
+                 "num_replicas", "rank", "replica", "tiers", "tp_rank", "tp_size", "world_size")
 
     def __init__(self, parts: RankCache, comm, status: InitStatus, init: Committed | None = None,
-                 replicas: ReplicaComms | None = None):
+                 replicas: ReplicaComms | None = None, remote: RemoteTier | None = None):
         self._parts = parts
         self._init = init
         self._comm = comm
@@ -69,7 +72,8 @@ class KVCache:
         self.world_size: int = comm.size
         self.init_status: InitStatus = status
         self.device: torch.device = parts.device
-        self.tiers: tuple[str, ...] = parts.tiers
+        self._remote = remote  # the remote tier (None: not committed)
+        self.tiers: tuple[str, ...] = parts.tiers + (("remote",) if remote is not None else ())
         self.config: CacheConfig = parts.cfg
         self._check_every = parts.cfg.distributed.check_consistency_every
         self._closed = False
@@ -82,14 +86,34 @@ class KVCache:
         manager = self._live()
         if self._in_step:
             raise StepOrderError("begin_step: the previous step is still open (call end_step first)")
+        remote = self._remote
+        if remote is not None:
+            remote.begin_step()
         manager.begin_step()
+        if remote is not None:
+            remote.start_deferred()
         self._in_step = True
 
     def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
                      priority: int = DEFAULT_PRIORITY) -> int:
         """Admit a prompt; returns how many of its tokens are reused from the cache.
-        Raises OutOfBlocksError (nothing changed) when it cannot fit."""
-        return self._scheduling("add_sequence").add_sequence(seq_id, tokens, priority)
+        Raises OutOfBlocksError (nothing changed) when it cannot fit. With the remote
+        tier, blocks only other replicas hold are fetched first (waiting at most
+        ``fetch_timeout_ms``) unless ``prefetch`` started them."""
+        manager = self._scheduling("add_sequence")
+        remote = self._remote
+        if remote is None:
+            return manager.add_sequence(seq_id, tokens, priority)
+        if not isinstance(tokens, list | tuple):
+            tokens = list(tokens)
+        valid = isinstance(priority, int) and not isinstance(priority, bool) and \
+            0 <= priority < NUM_PRIORITIES
+        fits = remote.slots.fits
+        context = remote.before_add(seq_id, tokens,
+                                    lambda hashes: valid and fits(seq_id, len(tokens), hashes))
+        reused = manager.add_sequence(seq_id, tokens, priority, hashes=context[0])
+        remote.after_add(context, reused)
+        return reused
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Grow a sequence by decoded tokens whose K/V this step writes."""
@@ -127,6 +151,8 @@ class KVCache:
             raise StepOrderError("end_step without begin_step")
         self._in_step = False
         manager.end_step()
+        if self._remote is not None:
+            self._remote.end_step()
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
 
@@ -152,16 +178,19 @@ class KVCache:
         without a remote tier). A later ``add_sequence(seq_id, ...)`` reuses those that
         have landed and been agreed by the replica's ranks; ``prefetch_ready`` says when
         every one of them has (landed or given up, at most ``fetch_timeout_ms`` later).
-        Same answer on every TP rank of the replica."""
+        Same answer on every TP rank of the replica. Called between steps, the blocks
+        start moving right after the next ``begin_step``."""
         self._live()
-        return 0
+        if self._remote is None:
+            return 0
+        return self._remote.prefetch(seq_id, tokens, now=self._in_step)
 
     def prefetch_ready(self, seq_id: Hashable) -> bool:
         """Whether nothing prefetched for ``seq_id`` is still on its way (True for a
         sequence never prefetched). Changes only at step boundaries, alike on the
         replica's ranks, so a scheduler can admit on it."""
         self._live()
-        return True
+        return self._remote is None or self._remote.prefetch_ready(seq_id)
 
     def synchronize(self) -> None:
         """Block the host until every queued tier copy has run."""
@@ -191,17 +220,19 @@ class KVCache:
         engine = m.engine
         executor = engine.executor
         waits = executor.counters
+        rc = self._remote.counters if self._remote is not None else None
         return {
             "tiers": list(self.tiers),
             "init_status": self.init_status.name,
             "blocks_used": {t: u for t, (u, _) in usage.items()},
             "blocks_free": {t: f for t, (_, f) in usage.items()},
             "capacity_blocks": {t: u + f for t, (u, f) in usage.items()},
-            "hit_tokens": {TIER_NAMES[t]: c.hit_tokens[t] for t in range(3) if m.has_tier(t)},
+            "hit_tokens": self._hit_tokens(),
             # The remote tier (blocks of other replicas): bytes that landed here, and
             # blocks looked up that turned out stale or did not come in time.
-            "bytes_fetched_remote": 0,
-            "remote_misses": 0,
+            "bytes_fetched_remote": rc.landed * bpb if rc else 0,
+            "remote_misses": rc.misses if rc else 0,
+            "remote": self._remote.stats() if self._remote else {},
             "prompt_tokens": c.prompt_tokens,
             "bytes_offloaded": (moved["offload"] + moved["spill"]) * bpb,
             "bytes_onboarded": (moved["onboard"] + moved["fetch"]) * bpb,
@@ -235,8 +266,23 @@ class KVCache:
             "init_failures": dict(self._init.failures) if self._init else {},
         }
 
+    def _hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens reused, by the tier their blocks came from; blocks fetched from
+        another replica count as "remote" (the manager saw them in the tier they landed in)."""
+        m = self._manager
+        hits = {TIER_NAMES[t]: m.counters.hit_tokens[t] for t in range(3) if m.has_tier(t)}
+        if self._remote is not None:
+            by_tier = self._remote.counters.hit_blocks
+            for t, n in enumerate(by_tier):
+                if n:
+                    hits[TIER_NAMES[t]] -= n * m.tpb
+            hits["remote"] = sum(by_tier) * m.tpb
+        return hits
+
     def check_invariants(self) -> None:
         self._manager.check_invariants()
+        if self._remote is not None:
+            self._remote.check_invariants()
         self._manager.host_table.check_invariants()
         self._stager.check_invariants()
 
@@ -263,8 +309,10 @@ class KVCache:
 
     def state_digest(self) -> bytes:
         """xxh3-128 of the state that decides this cache's future behaviour (prefix index,
-        tier occupancy, eviction order, sequences): equal on ranks fed the same requests."""
-        return self._manager.state_digest()
+        tier occupancy, eviction order, sequences, and the remote tier's directory and
+        fetches in flight): equal on ranks fed the same requests."""
+        mine = self._manager.state_digest()
+        return mine if self._remote is None else mine + self._remote.digest()
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self, wait_for_peers: bool = True) -> None:
@@ -278,7 +326,11 @@ class KVCache:
         # Every later call raises CacheClosedError; the manager reaches every pool
         # through the executor, so it must go too.
         self._manager = self._stager = self._parts = _CLOSED
+        remote, self._remote = self._remote, None
         try:
+            if remote is not None:
+                parts.manager.host_observer = None
+                remote.close()
             parts.teardown()
             # After a timed-out collective the communicator is unusable: nothing to wait on.
             if wait_for_peers and getattr(self._comm, "broken", None) is None:
@@ -318,16 +370,36 @@ def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
         seams.comm = c
     try:
         layout = ReplicaLayout.of(c.rank, c.size, cfg.distributed.tp_size)
-        done = establish(c, cfg, CandidateBuilder(cfg, c.rank, c.local_rank, c.local_size, seams), timing)
+        plan = None
+        if remote_setup.wanted(cfg, layout):
+            with timing.clock("consensus"):
+                plan = remote_setup.plan_sharing(c, cfg, layout)
+        builder = CandidateBuilder(cfg, c.rank, c.local_rank, c.local_size, seams,
+                                   host_shared_path=plan.host_path if plan else None)
+        done = establish(c, cfg, builder, timing)
     except BaseException as e:
         c.free()
         e.init_seconds = timing.as_dict()  # what the failed start cost this rank, for operators
         raise
+    replicas = remote = None
     try:
         with timing.clock("consensus"):
             replicas = ReplicaComms(c, layout)
+            if plan is not None:
+                parts = done.candidate
+                remote = remote_setup.commit_remote(
+                    c, replicas, cfg, plan, done.status, parts.host, parts.gpu.raw,
+                    parts.backend.executor, parts.device, ManagerSlots(parts.manager),
+                    dict(enumerate(parts.manager.space.capacity)),
+                    rules=seams.remote_rules if seams is not None else None)
+                if remote is not None:
+                    parts.manager.host_observer = remote
+                    if seams is not None:
+                        seams.remote = remote
     except BaseException:
         done.candidate.teardown()
+        if replicas is not None:
+            replicas.free()
         c.free()
         raise
-    return KVCache(done.candidate, c, done.status, done, replicas)
+    return KVCache(done.candidate, c, done.status, done, replicas, remote)

@@ -117,10 +117,11 @@ class RankCache:
 
 def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.device,
                     rank: int, *, with_host: bool = True, fallback: bool = False,
-                    seams: Seams | None = None) -> RankCache:
+                    seams: Seams | None = None, host_shared_path: str | None = None) -> RankCache:
     """Allocate the tiers, the copy backend, the manager and the stager. ``with_host=False``
-    is the rebuild after USE_NO_HOST (the disk tier is kept). On any error everything
-    allocated so far is freed before the error propagates."""
+    is the rebuild after USE_NO_HOST (the disk tier is kept). ``host_shared_path``: keep
+    the host tier in that shared-memory file (the remote tier's peers on the node map
+    it). On any error everything allocated so far is freed before the error propagates."""
     layout = KVLayout.from_config(cfg)
     seams = seams or Seams()
     local = RankCache(cfg, layout, device)
@@ -135,7 +136,8 @@ def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: to
             h = cfg.cache.host
             local.host = HostPool(layout, host_n, pin=device.type == "cuda", device=device,
                                   chunk_bytes=h.chunk_bytes, prefault_threads=h.prefault_threads,
-                                  check_memlock=h.check_memlock, huge_pages=h.huge_pages, rank=rank)
+                                  check_memlock=h.check_memlock, huge_pages=h.huge_pages, rank=rank,
+                                  shared_path=host_shared_path)
         if disk_n:
             d = cfg.cache.disk
             local.disk = DiskPool(layout, disk_n, d.path, rank, io_threads=d.io_threads,
@@ -162,8 +164,9 @@ class CandidateBuilder:
     ``build`` allocates a candidate of the capacity all ranks agreed on."""
 
     def __init__(self, cfg: CacheConfig, rank: int, local_rank: int = 0, local_size: int = 1,
-                 seams: Seams | None = None):
+                 seams: Seams | None = None, host_shared_path: str | None = None):
         self.cfg = cfg
+        self.host_shared_path = host_shared_path
         self.rank = rank
         self.local_rank = local_rank
         self.local_size = local_size
@@ -177,5 +180,5 @@ class CandidateBuilder:
 
     def build(self, capacity: tuple[int, int, int], *, with_host: bool, fallback: bool) -> RankCache:
         assert self.device is not None, "plan() before build()"
-        return build_candidate(self.cfg, capacity, self.device, self.rank,
-                               with_host=with_host, fallback=fallback, seams=self.seams)
+        return build_candidate(self.cfg, capacity, self.device, self.rank, with_host=with_host,
+                               fallback=fallback, seams=self.seams, host_shared_path=self.host_shared_path)

@@ -11,7 +11,7 @@ import sys
 
 from .errors import ConfigError
 
-BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus", "drills")
+BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus", "drills", "remote")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,7 +4,8 @@ at the named site, to rehearse failures on a real job (DESIGN §2).
 Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``build``
 (any other error while building the local cache), ``fallback_build`` (error while
 rebuilding without the host tier), ``stall`` (the rank never reaches the consensus
-collective). ``site@*`` fails every rank.
+collective), ``remote_fetch`` (every fetch of the remote tier fails on that rank: its
+replica must then reuse none of those blocks, rule R1). ``site@*`` fails every rank.
 
 Where each site fires: ``build`` and ``host_tier`` while the local candidate is built
 (the latter only when a host tier is planned), ``fallback_build`` while it is rebuilt
@@ -20,7 +21,7 @@ import time
 
 from .errors import ConfigError, ConsensusTimeout, HostTierUnavailable, KVDistError
 
-SITES = ("host_tier", "build", "fallback_build", "stall")
+SITES = ("host_tier", "build", "fallback_build", "stall", "remote_fetch")
 ENV = "KVDIST_FAULTS"
 
 

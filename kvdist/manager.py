@@ -22,6 +22,7 @@ from array import array
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Protocol
 
 import numpy as np
 
@@ -63,6 +64,16 @@ def token_array(tokens: Iterable[int]) -> array:
     except struct.error as e:
         raise ValueError(f"token ids must be ints that fit in int32 ({e})") from None
     return tok
+
+
+class HostObserver(Protocol):
+    """Who must know when a host slot's block changes (global slot ids)."""
+
+    def host_filled(self, slot: int) -> None:
+        """``slot`` now holds a cached block; the copy into it may still be queued."""
+
+    def host_emptied(self, slot: int) -> None:
+        """``slot`` no longer holds its block (it is free; its bytes stay until reused)."""
 
 
 @dataclass(slots=True)
@@ -121,6 +132,9 @@ class CacheManager:
         # The copies of one cascade, handed to the engine together at its end (in order,
         # one call per run of one route).
         self._moves: tuple[list[int], list[int], list[Route]] = ([], [], [])  # src, dst, route
+        # Told when a host slot gets or loses its block (the remote tier's stamps and
+        # directory); None when nobody listens.
+        self.host_observer: HostObserver | None = None
 
     # -- helpers ----------------------------------------------------------------------------
     def _block_id(self, slot: int) -> tuple[int, int]:
@@ -131,6 +145,21 @@ class CacheManager:
 
     def _available_gpu(self) -> int:
         return len(self.free[GPU]) + len(self.lru[GPU])
+
+    def block_hashes(self, tok: array) -> list[int]:
+        """The chained hashes of the full blocks of the int32 token ids ``tok``."""
+        return chain_hashes(self.salt, memoryview(tok).cast("B"), 0, len(tok) // self.tpb, self.tpb)
+
+    def gpu_budget(self, hits: list[int], n_blocks: int) -> tuple[int, int, int]:
+        """For a prompt of ``n_blocks`` whose cached prefix is in slots ``hits``: (hits
+        on the GPU, fresh GPU blocks it needs, GPU blocks that can be had for it)."""
+        gpu_end, ref = self.space.base[HOST], self.meta.ref_mv
+        on_gpu = pinned_gpu = 0
+        for s in hits:
+            if s < gpu_end:
+                on_gpu += 1
+                pinned_gpu += ref[s] == 0
+        return on_gpu, n_blocks - on_gpu, self._available_gpu() - pinned_gpu
 
     def _move(self, src: int, dst: int, along: Route) -> None:
         """Move the cached block in ``src`` (of tier ``along.src``) to the free slot
@@ -147,6 +176,11 @@ class CacheManager:
         meta.state_mv[src] = FREE
         self.free[along.src].push(src)
         self.counters.blocks_moved[along.name] += 1
+        if self.host_observer is not None:
+            if along.src == HOST:
+                self.host_observer.host_emptied(src)
+            if along.dst == HOST:
+                self.host_observer.host_filled(dst)
 
     def _submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order."""
@@ -207,6 +241,8 @@ class CacheManager:
         meta.state_mv[slot] = FREE
         self.free[tier].push(slot)
         self.counters.dropped += 1
+        if tier == HOST and self.host_observer is not None:
+            self.host_observer.host_emptied(slot)
 
     def _make_free(self, tier: int, n: int) -> None:
         """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
@@ -235,10 +271,11 @@ class CacheManager:
         self.transfer_seconds += time.perf_counter() - t0
 
     def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
-                     priority: int = DEFAULT_PRIORITY) -> int:
+                     priority: int = DEFAULT_PRIORITY, hashes: list[int] | None = None) -> int:
         """Admit a prompt: reuse its longest cached prefix of whole blocks from any tier
         (leaving at least one token to compute), allocate GPU blocks for the rest.
-        Returns the number of prompt tokens reused."""
+        Returns the number of prompt tokens reused. ``hashes``: the hashes of its full
+        blocks (``block_hashes``), when the caller computed them already."""
         t0 = time.perf_counter()
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
@@ -251,21 +288,18 @@ class CacheManager:
             raise ValueError(f"sequence {seq_id!r} has no tokens")
         tpb, meta, space = self.tpb, self.meta, self.space
         n_blocks = -(-n // tpb)
-        hashes: list[int] = []
         hits: list[int] = []
         if self.enable_reuse:
             # Every full block's hash at once: the leading ones find the reusable prefix,
             # the rest go into their fresh slots' meta now and into the index at end_step.
-            hashes = chain_hashes(self.salt, memoryview(tok).cast("B"), 0, n // tpb, tpb)
+            if hashes is None:
+                hashes = self.block_hashes(tok)
+            assert len(hashes) == n // tpb, f"{len(hashes)} hashes for {n // tpb} full blocks"
             hits = self.index.match(hashes[: (n - 1) // tpb])
+        else:
+            hashes = []
         gpu_end = space.base[HOST]
-        on_gpu = pinned_gpu = 0
-        for s in hits:
-            if s < gpu_end:
-                on_gpu += 1
-                pinned_gpu += meta.ref_mv[s] == 0
-        need = n_blocks - on_gpu
-        available = self._available_gpu() - pinned_gpu
+        on_gpu, need, available = self.gpu_budget(hits, n_blocks)
         if need > available:
             raise OutOfBlocksError(need, available, f"sequence {seq_id!r} ({n} tokens)")
         ref, prio = meta.ref_mv, meta.prio_mv

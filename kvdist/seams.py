@@ -3,10 +3,11 @@ object handed to the build (``kvdist.testing.create(cfg, seams)``), never patche
 a live cache. A cache built by ``kvdist.create`` has none.
 
 Switches (read once, at construction): the ordering rules the transfer engine
-enforces (rule-off cases show what each rule prevents), S3's staging protection, the
-initial size of the host block table, the CUDA copy path. Records (appended to while
-the cache runs): every batch an executor runs, the size of every bulk copy. Handles
-(set by the build): the rank's parts, for white-box assertions on exact slots."""
+enforces and the remote tier's (rule-off cases show what each rule prevents), S3's
+staging protection, the initial size of the host block table, the CUDA copy path.
+Records (appended to while the cache runs): every batch an executor runs, the size of
+every bulk copy. Handles (set by the build): the rank's parts and its remote tier, for
+white-box assertions on exact slots and for holding its directory messages."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .transfer import ALL_RULES, BatchLog, EngineSeams
 if TYPE_CHECKING:
     from .candidate import RankCache
     from .distributed.comm import MpiComm, SingleComm
+    from .distributed.remote import RemoteTier
     from .manager import CacheManager
     from .staging import Stager
     from .storage import DiskPool, GpuPool, HostPool
@@ -35,12 +37,14 @@ class Seams:
     protect_staging: bool = True  # S3: False is one staging buffer, rewritten under queued copies
     table_rows: int = DEFAULT_ROWS  # initial rows of the host block table (it grows)
     copy_path: str | None = None  # CUDA: force "memcpy-batch", "runs" or "per-block"
+    remote_rules: frozenset[str] = frozenset({"R1", "R2", "R4"})  # the remote tier's rules enforced
     # -- records -----------------------------------------------------------------------------
     batch_log: BatchLog | None = None  # each batch run: (route name, tier-local src, dst)
     copy_many_sizes: list[int] | None = None  # the length of each bulk copy the manager queued
     # -- handles (set by the build; the last candidate built is the committed one) -----------
     rank_cache: RankCache | None = field(default=None, init=False)
     comm: SingleComm | MpiComm | None = field(default=None, init=False)
+    remote: RemoteTier | None = field(default=None, init=False)  # the committed remote tier
 
     def engine_seams(self) -> EngineSeams:
         return EngineSeams(rules=self.rules, tracking=self.tracking, copy_many_sizes=self.copy_many_sizes)

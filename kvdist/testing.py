@@ -51,8 +51,9 @@ class _Track:
 class IntegrityDriver:
     """Drives ``cache`` like an engine's forward pass; counts mismatching tokens."""
 
-    def __init__(self, cache: KVCache, overlap: bool = False):
+    def __init__(self, cache: KVCache, overlap: bool = False, salt: int = 0):
         self.cache = cache
+        self.salt = salt  # mixed into the pattern: e.g. the TP rank, so shards differ
         # Simulated streams: the forward pass is a 'kernel' on the compute stream, queued
         # behind the table's staging copy. With ``overlap`` it stays queued while the next
         # step is prepared (a scheduler one step ahead of the device) and runs only after
@@ -77,7 +78,8 @@ class IntegrityDriver:
 
     def expected(self, fingerprints: list[int]) -> torch.Tensor:
         """``[n, layer, kv, head, dim]`` values in the cache's dtype, on its device."""
-        base = torch.tensor([f % 10007 for f in fingerprints], dtype=torch.int64).view(-1, 1, 1, 1, 1)
+        base = torch.tensor([(f + 7919 * self.salt) % 10007 for f in fingerprints],
+                            dtype=torch.int64).view(-1, 1, 1, 1, 1)
         vals = (base + self._offsets) % 2039  # integers exact in fp16
         return vals.to(torch.float32).to(self.dtype).to(self.cache.device)
 

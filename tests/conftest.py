@@ -67,10 +67,10 @@ def probe(monkeypatch):
     real_build = kvdist.candidate.build_candidate
     real_teardown = kvdist.candidate.RankCache.teardown
 
-    def build_candidate(cfg, capacity, device, rank, *, with_host=True, fallback=False, seams=None):
+    def build_candidate(cfg, capacity, device, rank, *, with_host=True, fallback=False, seams=None, **kw):
         try:
             local = real_build(cfg, capacity, device, rank, with_host=with_host, fallback=fallback,
-                               seams=seams)
+                               seams=seams, **kw)
         except Exception as e:
             p.builds.append((with_host, fallback, type(e).__name__))
             raise

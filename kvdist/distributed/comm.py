@@ -43,6 +43,13 @@ _LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
 _ORPHANS: list[tuple] = []
 
 
+def keep_alive(*things: object) -> None:
+    """Keep ``things`` (requests, and the buffers and memory they use) for the rest of
+    the process: MPI may still complete operations nobody can wait for (a peer that is
+    stopped or gone) and must not find their memory freed."""
+    _ORPHANS.append(things)
+
+
 def mpi_is_running() -> bool:
     """True when this process was started by an MPI launcher or has MPI initialized."""
     if "mpi4py.MPI" in sys.modules:
@@ -102,6 +109,9 @@ class SingleComm:
 
     def allgather_ints(self, values: Sequence[int], what: str) -> np.ndarray:
         return np.asarray(values, dtype=np.int64).reshape(1, -1)
+
+    def allreduce_min_array(self, values: np.ndarray, what: str) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64).reshape(-1).copy()
 
     def allgather(self, obj: object, what: str) -> list[object]:
         return [obj]
@@ -191,6 +201,10 @@ class MpiComm:
     def allreduce_min(self, values: Sequence[int], what: str) -> list[int]:
         """Element-wise MIN over ranks of a vector of ints."""
         return self._allreduce(values, self.MPI.MIN, what).tolist()
+
+    def allreduce_min_array(self, values: np.ndarray, what: str) -> np.ndarray:
+        """Element-wise MIN over ranks of an int array (as int64)."""
+        return self._allreduce(values, self.MPI.MIN, what)
 
     def allgather_ints(self, values: Sequence[int], what: str) -> np.ndarray:
         """``[size, len(values)]`` int64: row r is rank r's ``values``."""

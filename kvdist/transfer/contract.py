@@ -74,6 +74,11 @@ class Executor(Protocol):
         """Whether ``event``'s work has run (None: nothing to wait for)."""
         ...
 
+    def wait_host(self, events: list[Event]) -> None:
+        """The host waits until the work of ``events`` has run (before memory the
+        executor does not see — an MPI receive — writes the slots they touch)."""
+        ...
+
     def stats(self) -> dict[str, object]:
         """``path`` and the executor's own counters (``KVCache.stats()["transfer"]``)."""
         ...

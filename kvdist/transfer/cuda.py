@@ -241,6 +241,24 @@ class CudaExecutor:
             st.synchronize()
         self._inflight.clear()
 
+    def wait_host(self, events: list[Event]) -> None:
+        """The host waits for ``events`` (CUDA events or disk batches), e.g. before
+        memory outside the streams' reach (MPI) writes the slots they touch."""
+        for e in events:
+            if isinstance(e, DiskOp):
+                self._host_wait(e.future)
+                if e.gpu_pending:
+                    self._finish_fetch(e)
+                if e.gpu_event is not None:
+                    e.gpu_event.synchronize()
+            elif e is not None:
+                e.synchronize()
+
+    def stream_wait(self, stream: torch.cuda.Stream, events: list[Event]) -> None:
+        """``stream`` waits for ``events`` (the host only for disk work whose GPU side
+        is none), e.g. before a remote fetch on that stream writes the slots they touch."""
+        self._gpu_wait(stream, events, host_tier=True)
+
     def is_done(self, event: Event | None) -> bool:
         if event is None:
             return True

@@ -284,6 +284,43 @@ class TransferEngine:
         self._events.clear()
         self._stream_last.clear()
 
+    def pending_events(self, slots) -> list:
+        """The events of every queued or in-flight batch that reads or writes one of the
+        global ``slots`` (open batches touching them are submitted first), and the S4
+        compute event when a GPU slot is among them: what a copy into those slots made
+        outside the engine (a remote fetch) must follow (S2, S4)."""
+        keys = np.asarray(slots, dtype=np.int64)
+        if len(keys) == 0:
+            return []
+        if self._by_token:
+            m = self._mark[keys]
+            for tok in _distinct(m[m >= 0] >> 1).tolist():
+                b = self._by_token.get(tok)
+                if b is not None:
+                    self._flush(b.route)
+        ids = _distinct(np.concatenate((self._last_write[keys], self._last_read[keys])))
+        out = [self._events[i] for i in ids.tolist() if i in self._events]
+        if self._compute_event is not None and int(keys.min()) < self.space.base[1]:
+            out.append(self._compute_event)  # the last step's kernels may write GPU slots
+        return out
+
+    def writes_pending(self, slots) -> np.ndarray:
+        """Per global slot: whether a copy into it is queued or not known complete (the
+        remote tier stamps a host slot's block valid only once this is False)."""
+        keys = np.asarray(slots, dtype=np.int64)
+        m = self._mark[keys]
+        out = (m >= 0) & (m & 1 == 1)  # written by a batch that may still be open
+        if out.any():
+            out &= np.isin(m >> 1, np.fromiter(self._by_token, dtype=np.int64, count=len(self._by_token)))
+        if self._events:
+            lw = self._last_write[keys]
+            done = self.executor.is_done
+            busy = [bid for bid in _distinct(lw).tolist()
+                    if (ev := self._events.get(bid)) is not None and not done(ev)]
+            if busy:
+                out |= np.isin(lw, busy)
+        return out
+
     @property
     def nbytes(self) -> int:
         """Per-slot tracking memory (12 bytes a slot), for metadata accounting."""

@@ -98,6 +98,9 @@ class SyncExecutor:
     def synchronize(self) -> None:
         pass
 
+    def wait_host(self, events: list[Event]) -> None:
+        """The host waits for ``events`` (all complete here)."""
+
     @staticmethod
     def is_done(event: Event | None) -> bool:
         return True

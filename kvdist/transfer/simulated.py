@@ -51,7 +51,8 @@ class SimExecutor:
 
     def __init__(self, copies: HostCopies | None, log: BatchLog | None = None):
         self.copies = copies
-        self.streams = {name: SimStream(name) for name in (*STREAMS, "compute")}
+        # "remote": the remote tier's fetches (kvdist.distributed.shared_transport).
+        self.streams = {name: SimStream(name) for name in (*STREAMS, "compute", "remote")}
         self._queued: list[SimOp] = []
         self._seq = 0
         self.log = log
@@ -113,6 +114,12 @@ class SimExecutor:
     def synchronize(self) -> None:
         while self._queued:
             self.force(max(self._queued, key=lambda o: o.seq))
+
+    def wait_host(self, events: list) -> None:
+        """The host waits for ``events``: run them (and what they follow) now."""
+        for ev in events:
+            if ev is not None:
+                self.force(ev)
 
     def drain(self, stream: str) -> None:
         last = self.streams[stream].last

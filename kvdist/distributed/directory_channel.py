@@ -1,0 +1,110 @@
+"""Directory messages between replicas (rule R4), point-to-point on the cross-replica
+communicator: TP rank t of each replica sends its replica's host-tier changes to TP
+rank t of every other replica, one message per peer per step (none when nothing
+changed). Nothing blocks: sends are ``Isend`` (buffers kept until complete), receives
+are matched with ``Improbe`` and completed with ``Imrecv``, at step boundaries.
+
+MPI keeps the messages of one sender in order, so "the first k messages of peer p"
+is the same set on every TP rank of a replica; ``counts`` says how many each rank has
+whole, the TP group MIN-reduces those counts, and every rank applies exactly that
+prefix (``take``). Delivery timing can differ between TP ranks; what they apply cannot."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .comm import keep_alive
+from .directory import RECORD
+
+DIRECTORY_TAG = 11
+
+
+class DirectoryChannel:
+    """This rank's directory traffic with its peers (``cross``: the cross-replica
+    communicator, whose rank is the replica index)."""
+
+    def __init__(self, cross, me: int, num_replicas: int):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.cross, self.me, self.num_replicas = cross, me, num_replicas
+        self._sending: deque[tuple] = deque()  # (request, buffer) of sends not complete
+        self._inbox: list[deque] = [deque() for _ in range(num_replicas)]  # (request, buffer) per peer
+        self.taken = np.zeros(num_replicas, dtype=np.int64)  # messages handed out, per peer
+        self.held: np.ndarray | None = None  # tests: counts frozen (a delivery delay)
+        self.messages_sent = 0
+        self.bytes_sent = 0
+        self.messages_received = 0
+
+    def send(self, records: np.ndarray) -> None:
+        """Send one step's records to every peer (nothing when there are none)."""
+        if len(records) == 0:
+            return
+        buf = np.ascontiguousarray(records).view(np.uint8)
+        for peer in range(self.num_replicas):
+            if peer != self.me:
+                req = self.cross.Isend([buf, self.MPI.BYTE], dest=peer, tag=DIRECTORY_TAG)
+                self._sending.append((req, buf))
+                self.messages_sent += 1
+                self.bytes_sent += buf.nbytes
+        self._reap()
+
+    def _reap(self) -> None:
+        while self._sending and self._sending[0][0].Test():
+            self._sending.popleft()
+
+    def poll(self) -> None:
+        """Match every message that has arrived (non-blocking) and reap finished sends."""
+        MPI, status = self.MPI, self.MPI.Status()
+        while True:
+            msg = self.cross.Improbe(source=MPI.ANY_SOURCE, tag=DIRECTORY_TAG, status=status)
+            if msg is None:
+                break
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            self._inbox[status.Get_source()].append((msg.Irecv([buf, MPI.BYTE]), buf))
+            self.messages_received += 1
+        self._reap()
+
+    def counts(self) -> np.ndarray:
+        """Per peer: messages this rank has whole, counted from the first ever sent."""
+        out = self.taken.copy()
+        for peer, box in enumerate(self._inbox):
+            for req, _ in box:
+                if not req.Test():
+                    break
+                out[peer] += 1
+        if self.held is not None:
+            out = np.minimum(out, self.held)
+        return out
+
+    def take(self, peer: int, upto: int) -> list[np.ndarray]:
+        """The record arrays of ``peer``'s messages up to number ``upto`` (all whole)."""
+        out = []
+        box = self.taken
+        while box[peer] < upto:
+            req, buf = self._inbox[peer].popleft()
+            assert req.Test(), "taking a message that is not whole"
+            out.append(buf.view(RECORD))
+            box[peer] += 1
+        return out
+
+    def hold(self, on: bool) -> None:
+        """Tests: freeze (or thaw) the counts this rank reports, as if later messages
+        were still on their way to it."""
+        self.held = self.counts() if on else None
+
+    def close(self) -> None:
+        """Cancel the receives still open. Sends not complete (a peer that is slow,
+        stopped or gone) keep their buffers for the rest of the process."""
+        self._reap()
+        for box in self._inbox:
+            for req, buf in box:
+                if not req.Test():
+                    req.Cancel()
+                    keep_alive(req, buf)
+        if self._sending:
+            keep_alive(*self._sending)
+        self._inbox = [deque() for _ in range(self.num_replicas)]
+        self._sending = deque()

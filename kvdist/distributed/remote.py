@@ -1,0 +1,463 @@
+"""The remote tier: one rank's part of sharing host tiers between replicas (docs/design.md,
+"Remote tier"; rules R1–R4).
+
+As a *holder* it stamps its host slots (``stamps``) as the manager fills and empties
+them, and at ``end_step`` sends the step's host-tier changes to the same TP rank of
+every other replica (``DirectoryChannel``). As a *fetcher* it looks a prompt's blocks
+that no local tier holds up in the directory, reserves landing slots, and has a
+transport copy each block from the holder's slot — its own shard, from the holder's
+rank with the same TP index. A block lands (becomes an ordinary cached block) only
+when every TP rank of the replica has it whole (R1); stale and late blocks are misses.
+
+Step boundaries (``begin_step``) are where the replica's ranks agree: one MIN-reduce
+inside the TP group carries the directory message counts (R4: all apply the same
+prefix) and every in-flight block's outcome bits (R1). Nothing after start-up is
+collective across replicas (R3); a fetch waits at most ``fetch_timeout_ms``.
+
+``add_sequence`` pulls a prompt's remote blocks itself (waiting up to the timeout)
+unless a ``prefetch`` already started them; ``rules`` can drop R1, R2 or R4 for the
+tests that show what each one prevents."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+from ..blocks import GPU, HOST
+from ..eviction import DEFAULT_PRIORITY
+from ..prefix import MASK64
+from .directory import Directory, encode
+from .directory_channel import DirectoryChannel
+from .fetch import DONE, GOOD, NOTBAD, REASONS, Batch, Transport
+from .stamps import SlotStamps
+
+ALL_RULES = frozenset({"R1", "R2", "R4"})
+_PREFETCH_RECORDS = 4096  # prefetches remembered for add_sequence's hit accounting
+
+
+class LocalSlots(Protocol):
+    """What the remote tier needs from this rank's manager (``kvdist.landing.ManagerSlots``)."""
+
+    tokens_per_block: int
+    executor: object
+
+    def block_hashes(self, tokens: Iterable[int]) -> list[int]: ...
+    def fits(self, seq_id: Hashable, n_tokens: int, hashes: list[int]) -> bool: ...
+    def cached_prefix(self, hashes: list[int]) -> int: ...
+    def tier_of(self, h: int) -> int | None: ...
+    def stamps_of(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def cached(self, slots: np.ndarray) -> np.ndarray: ...
+    def reserve(self, tier: int, n: int) -> list[int]: ...
+    def land(self, slot: int, h: int, priority: int = DEFAULT_PRIORITY) -> bool: ...
+    def release(self, slot: int) -> None: ...
+    def landing_slots(self) -> np.ndarray: ...
+    def pending_events(self, slots) -> list: ...
+    def writes_pending(self, slots) -> np.ndarray: ...
+    def tier_base(self, tier: int) -> int: ...
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    """Per rank. ``landed``/``misses`` are the replica's verdicts (equal on its ranks);
+    the reasons are this rank's own view of why it gave blocks up."""
+
+    batches: int = 0
+    blocks_requested: int = 0
+    landed: int = 0
+    landed_duplicate: int = 0  # landed but the block was cached here meanwhile
+    misses: int = 0
+    reasons: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS[1:]})
+    hit_blocks: list[int] = field(default_factory=lambda: [0, 0, 0])  # by the tier they were found in
+    prefetches: int = 0
+    pull_seconds: float = 0.0  # add_sequence waiting for its own fetches
+    agree_seconds: float = 0.0  # the TP group's agreements
+    upkeep_seconds: float = 0.0  # directory, stamps, service, polling
+
+
+def _split(hashes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([h >> 64 for h in hashes], dtype=np.uint64),
+            np.array([h & MASK64 for h in hashes], dtype=np.uint64))
+
+
+class RemoteTier:
+    """One rank's remote tier (see the module docstring). Built by
+    ``kvdist.distributed.remote_setup``; driven by ``KVCache``."""
+
+    def __init__(self, *, tp, channel: DirectoryChannel, directory: Directory, stamps: SlotStamps,
+                 transports: dict[int, Transport], server: Transport, rules: set[str],
+                 slots: LocalSlots, fetch_timeout_s: float, replica: int, num_replicas: int,
+                 bytes_per_block: int, capacity: dict[int, int]):
+        self.tp = tp  # the TP group's communicator (MpiComm, or SingleComm for TP 1)
+        self.channel, self.directory, self.stamps = channel, directory, stamps
+        self.transports = transports  # peer replica -> transport
+        self.slots = slots
+        self.timeout_s = fetch_timeout_s
+        self.replica, self.num_replicas = replica, num_replicas
+        self.bpb = bytes_per_block
+        self.tpb = slots.tokens_per_block
+        self.host_base = slots.tier_base(HOST)
+        # At most half a tier's slots wait for fetches at once (the rest keeps caching).
+        self.landing_cap = {t: n // 2 for t, n in capacity.items()}
+        self.landing_used = dict.fromkeys(capacity, 0)
+        self.rules = rules  # live: the transports read it too (tests drop rules)
+        self._touched: set[int] = set()  # local host slots changed this step
+        self._unpublished: dict[int, None] = {}  # local host slots filled, stamps not yet valid
+        self.inflight: list[Batch] = []  # batches not settled, in start order
+        self.landing: dict[int, Batch] = {}  # hash -> batch fetching it (until decided)
+        self._prefetch: dict[Hashable, list[Batch]] = {}
+        self._deferred: dict[Hashable, list[int]] = {}  # prefetches asked for between steps
+        self._prefetched: dict[Hashable, set[int]] = {}  # seq -> hashes landed for it
+        self.counters = RemoteCounters()
+        # Every transport once (one message transport serves all peers, and answers them).
+        self._unique = {id(t): t for t in (*transports.values(), server)}
+        self._server = server
+
+    # -- the holder: the manager's host slots (HostObserver) --------------------------------------
+    def host_filled(self, slot: int) -> None:
+        local = slot - self.host_base
+        self.stamps.invalidate_one(local)
+        self._touched.add(local)
+        self._unpublished[local] = None
+
+    def host_emptied(self, slot: int) -> None:
+        local = slot - self.host_base
+        self.stamps.invalidate_one(local)
+        self._touched.add(local)
+        self._unpublished.pop(local, None)
+
+    def _publish(self) -> None:
+        """Stamp valid the host slots whose incoming copy is complete."""
+        if not self._unpublished:
+            return
+        local = np.fromiter(self._unpublished, dtype=np.int64, count=len(self._unpublished))
+        ready = local[~self.slots.writes_pending(local + self.host_base)]
+        if len(ready) == 0:
+            return
+        self.stamps.publish(ready, *self.slots.stamps_of(ready + self.host_base))
+        for s in ready.tolist():
+            del self._unpublished[s]
+
+    def _send_directory(self) -> None:
+        if not self._touched:
+            return
+        local = np.fromiter(self._touched, dtype=np.int64, count=len(self._touched))
+        local.sort()
+        self._touched.clear()
+        slots = local + self.host_base
+        held = self.slots.cached(slots)
+        hi, lo = self.slots.stamps_of(slots)
+        self.channel.send(encode(local.astype(np.int32), held.astype(np.int32),
+                                 np.where(held, hi, 0), np.where(held, lo, 0)))
+
+    # -- step boundaries ----------------------------------------------------------------------------
+    def service(self, also: list[Batch] = ()) -> None:
+        """Answer peers, match arrived messages, poll the fetches in flight and ``also``
+        (never blocks)."""
+        t0 = time.perf_counter()
+        for t in self._unique.values():
+            t.service()
+        self.channel.poll()
+        now = time.monotonic()
+        for b in (*self.inflight, *also):
+            self.transports[b.peer].poll(b, now)
+        self.counters.upkeep_seconds += time.perf_counter() - t0
+
+    def begin_step(self) -> None:
+        """The replica agrees on the directory prefix to apply and on every in-flight
+        block's verdict, and acts on both (one MIN-reduce inside the TP group)."""
+        self.service()
+        t0 = time.perf_counter()
+        counts = self.channel.counts()
+        agreed_counts, verdicts = self._agree(counts, self.inflight, "remote tier: step agreement")
+        t1 = time.perf_counter()
+        self.directory.apply([(peer, records) for peer in range(self.num_replicas)
+                              for records in self.channel.take(peer, int(agreed_counts[peer]))])
+        self._decide(self.inflight, verdicts)
+        self.inflight = [b for b in self.inflight if not b.settled]
+        self._publish()
+        self.counters.agree_seconds += t1 - t0
+        self.counters.upkeep_seconds += time.perf_counter() - t1
+
+    def end_step(self) -> None:
+        """Publish what landed in the host tier; tell the peers what changed in it."""
+        t0 = time.perf_counter()
+        self._publish()
+        self._send_directory()
+        self.counters.upkeep_seconds += time.perf_counter() - t0
+        self.service()
+
+    # -- agreement and verdicts -----------------------------------------------------------------------
+    def _agree(self, counts: np.ndarray | None, batches: list[Batch],
+               what: str) -> tuple[np.ndarray | None, np.ndarray]:
+        """(directory counts, outcome bits per block of ``batches``) as the replica's ranks
+        agree on them: MIN of the counts, AND of the bits (as MIN of each 0/1 bit)."""
+        states = (np.concatenate([b.state for b in batches]) if batches
+                  else np.zeros(0, dtype=np.uint8)).astype(np.int64)
+        if self.tp.size == 1 or ("R1" not in self.rules and "R4" not in self.rules):
+            return counts, states.astype(np.uint8)
+        bits = [(states & bit) != 0 for bit in (GOOD, DONE, NOTBAD)]
+        mine = np.concatenate([counts if counts is not None else np.zeros(0, dtype=np.int64), *bits])
+        out = self.tp.allreduce_min_array(mine, what)
+        n = 0 if counts is None else len(counts)
+        agreed_counts = out[:n] if "R4" in self.rules else counts
+        if "R1" in self.rules:
+            k = len(states)
+            g, d, nb = out[n:n + k], out[n + k:n + 2 * k], out[n + 2 * k:n + 3 * k]
+            states = g * GOOD + d * DONE + nb * NOTBAD
+        return agreed_counts, states.astype(np.uint8)
+
+    def _decide(self, batches: list[Batch], verdicts: np.ndarray) -> set[int]:
+        """Act on the replica's verdicts, in batch order: land blocks every rank has
+        whole, give up blocks some rank gave up, free their slots once no transfer can
+        still write them. Returns the hashes landed."""
+        landed: set[int] = set()
+        at = 0
+        c = self.counters
+        for b in batches:
+            v = verdicts[at:at + len(b)]
+            at += len(b)
+            mine: set[int] = set()
+            for i in np.flatnonzero(~b.released).tolist():
+                h = int(b.hi[i]) << 64 | int(b.lo[i])
+                if not b.decided[i]:
+                    if v[i] & GOOD:
+                        b.decided[i] = b.released[i] = True
+                        self._untrack(b, i, h)
+                        if self.slots.land(int(b.dst[i]), h):
+                            mine.add(h)
+                            c.landed += 1
+                        else:
+                            c.landed_duplicate += 1
+                        continue
+                    if v[i] & NOTBAD:
+                        continue  # pending somewhere: decided at a later boundary
+                    b.decided[i] = True
+                    self._untrack(b, i, h)
+                    c.misses += 1
+                    if b.reason[i]:
+                        c.reasons[REASONS[b.reason[i]]] += 1
+                if v[i] & DONE:
+                    b.released[i] = True
+                    self.slots.release(int(b.dst[i]))
+            if b.seq_id is not None and mine:
+                self._prefetched.setdefault(b.seq_id, set()).update(mine)
+            landed |= mine
+        return landed
+
+    def _untrack(self, b: Batch, i: int, h: int) -> None:
+        if self.landing.get(h) is b:
+            del self.landing[h]
+        self.landing_used[b.tier] -= 1
+
+    # -- fetching ---------------------------------------------------------------------------------------
+    def _plan(self, hashes: list[int], seq_id: Hashable | None, fits=None) -> list[Batch]:
+        """Reserve landing slots for the longest run of ``hashes`` after the local prefix
+        that peers hold (stopping at a block already on its way) and start the batches,
+        one per holder and landing tier. Nothing when ``fits()`` says no."""
+        start = self.slots.cached_prefix(hashes)
+        entries = self.directory.match(hashes[start:])
+        if not entries or (fits is not None and not fits()):
+            return []
+        per_batch: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (peer, tier) -> blocks
+        prefetch = seq_id is not None
+        for i, g in enumerate(entries):
+            h = hashes[start + i]
+            if h in self.landing:
+                break
+            peer, slot = self.directory.holder(g)
+            tier = self.transports[peer].landing_tier(prefetch)
+            if prefetch and self.landing_used[tier] >= self.landing_cap[tier]:
+                break  # prefetches leave half of a tier to caching
+            got = self.slots.reserve(tier, 1)
+            if not got:
+                break
+            self.landing_used[tier] += 1
+            per_batch.setdefault((peer, tier), []).append((h, slot, got[0]))
+        batches = []
+        deadline = time.monotonic() + self.timeout_s
+        for (peer, tier), blocks in per_batch.items():
+            hs = [h for h, _, _ in blocks]
+            hi, lo = _split(hs)
+            b = Batch(peer, np.array([s for _, s, _ in blocks], dtype=np.int64), hi, lo,
+                      np.array([d for _, _, d in blocks], dtype=np.int64), tier, deadline, seq_id)
+            for h in hs:
+                self.landing[h] = b
+            self.transports[peer].start(b)
+            self.counters.batches += 1
+            self.counters.blocks_requested += len(b)
+            batches.append(b)
+        return batches
+
+    def _reusable(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """(hashes of the full blocks, the leading ones add_sequence may reuse)."""
+        full = self.slots.block_hashes(tokens)
+        return full, full[: max(len(tokens) - 1, 0) // self.tpb]
+
+    def prefetch(self, seq_id: Hashable, tokens: Iterable[int], now: bool) -> int:
+        """Start the remote blocks of a prompt (non-blocking); how many are on their way.
+        Outside a step (``now`` False) they start right after the next ``begin_step``
+        (their landing slots may evict blocks, whose copies must follow the last step's
+        kernels, rule S4); the count is then the blocks the directory lists."""
+        tokens = tokens if isinstance(tokens, list | tuple) else list(tokens)
+        _, hashes = self._reusable(tokens)
+        if not now:
+            n = self._listed(hashes)
+            if n:
+                self._deferred[seq_id] = hashes
+                self._prefetch.setdefault(seq_id, [])
+            return n
+        return self._start_prefetch(seq_id, hashes)
+
+    def _start_prefetch(self, seq_id: Hashable, hashes: list[int]) -> int:
+        batches = self._plan(hashes, seq_id)
+        if batches:
+            self.inflight.extend(batches)
+            self._prefetch.setdefault(seq_id, []).extend(batches)
+            self.counters.prefetches += 1
+        return sum(len(b) for b in batches)
+
+    def start_deferred(self) -> None:
+        """Start the prefetches asked for between steps (call after the step began)."""
+        deferred, self._deferred = self._deferred, {}
+        for seq_id, hashes in deferred.items():
+            self._start_prefetch(seq_id, hashes)
+
+    def _listed(self, hashes: list[int]) -> int:
+        """Blocks after the local prefix that the directory lists, up to one on its way."""
+        start = self.slots.cached_prefix(hashes)
+        n = 0
+        for h in hashes[start:start + len(self.directory.match(hashes[start:]))]:
+            if h in self.landing:
+                break
+            n += 1
+        return n
+
+    def prefetch_ready(self, seq_id: Hashable) -> bool:
+        if seq_id in self._deferred:
+            return False
+        batches = self._prefetch.get(seq_id)
+        if batches is None:
+            return True
+        if all(b.decided.all() for b in batches):
+            del self._prefetch[seq_id]
+            return True
+        return False
+
+    def pull(self, hashes: list[int], fits=None) -> set[int]:
+        """add_sequence's own fetch: start the prompt's remote blocks (if ``fits()``),
+        wait until this rank has each (or gave it up: at most ``fetch_timeout_ms``),
+        agree, land. Collective inside the TP group when anything was started (the
+        ranks start the same batches: their directories and caches are equal)."""
+        batches = self._plan(hashes, None, fits)
+        if not batches:
+            return set()
+        t0 = time.perf_counter()
+        pause = 2e-5
+        while True:
+            self.service(batches)
+            if all(b.resolved for b in batches):
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        t1 = time.perf_counter()
+        _, verdicts = self._agree(None, batches, "remote tier: fetched blocks")
+        landed = self._decide(batches, verdicts)
+        self.inflight.extend(b for b in batches if not b.settled)
+        self.counters.pull_seconds += t1 - t0
+        self.counters.agree_seconds += time.perf_counter() - t1
+        return landed
+
+    # -- add_sequence ----------------------------------------------------------------------------------
+    def before_add(self, seq_id: Hashable, tokens: list[int], fits) -> tuple[list[int], dict[int, int]]:
+        """Fetch what the prompt needs from peers (unless ``fits(hashes)`` says it does
+        not fit: then nothing changes and add_sequence raises). Returns the hashes of
+        its full blocks (for add_sequence) and the tier each block fetched for it is in
+        (for ``after_add``, which counts the remote hits)."""
+        full, hashes = self._reusable(tokens)
+        landed = self._prefetched.pop(seq_id, set())
+        self._prefetch.pop(seq_id, None)
+        self._deferred.pop(seq_id, None)
+        landed |= self.pull(hashes, lambda: fits(hashes))
+        if len(self._prefetched) > _PREFETCH_RECORDS:  # prefetched, never admitted
+            self._prefetched.pop(next(iter(self._prefetched)))
+        return full, {h: t for h in landed if (t := self.slots.tier_of(h)) is not None}
+
+    def after_add(self, context: tuple[list[int], dict[int, int]], reused_tokens: int) -> None:
+        hashes, tier_of = context
+        for h in hashes[: reused_tokens // self.tpb]:
+            t = tier_of.get(h)
+            if t is not None:
+                self.counters.hit_blocks[t] += 1
+
+    # -- observability -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.counters
+        kinds: dict[str, int] = {}
+        for t in self.transports.values():
+            kinds[t.name] = kinds.get(t.name, 0) + 1
+        return {
+            "transports": kinds,  # peers reached by each transport
+            "batches": c.batches,
+            "blocks_requested": c.blocks_requested,
+            "blocks_landed": c.landed,
+            "blocks_landed_duplicate": c.landed_duplicate,
+            "misses": c.misses,
+            "given_up_here": dict(c.reasons),
+            "in_flight_blocks": sum(int((~b.decided).sum()) for b in self.inflight),
+            "prefetches": c.prefetches,
+            "directory_blocks": len(self.directory),
+            "directory_bytes": self.directory.nbytes,
+            "directory_records_applied": self.directory.records_applied,
+            "directory_messages_sent": self.channel.messages_sent,
+            "directory_bytes_sent": self.channel.bytes_sent,
+            "directory_messages_received": self.channel.messages_received,
+            "pull_seconds": c.pull_seconds,
+            "agree_seconds": c.agree_seconds,
+            "upkeep_seconds": c.upkeep_seconds,
+        }
+
+    def digest(self) -> bytes:
+        """What decides this rank's future remote behaviour (equal on a replica's ranks)."""
+        h = xxhash.xxh3_128(self.directory.digest())
+        for b in self.inflight:
+            h.update(b.dst)
+            h.update(b.decided.view(np.uint8))
+            h.update(b.released.view(np.uint8))
+        return h.digest()
+
+    def check_invariants(self) -> None:
+        self.directory.check_invariants()
+        expected = np.sort(np.concatenate([b.dst[~b.released] for b in self.inflight])
+                           if self.inflight else np.zeros(0, dtype=np.int64))
+        assert np.array_equal(expected, self.slots.landing_slots()), \
+            "landing slots differ from the unreleased blocks of in-flight batches"
+        undecided = sum(int((~b.decided).sum()) for b in self.inflight)
+        assert undecided == len(self.landing), "blocks on their way != in-flight undecided blocks"
+        used = dict.fromkeys(self.landing_used, 0)
+        for b in self.inflight:
+            used[b.tier] += int((~b.decided).sum())
+        assert used == self.landing_used, f"landing counts {self.landing_used}, expected {used}"
+
+    def close(self) -> None:
+        self.channel.close()
+        for t in self._unique.values():
+            if t is self._server:
+                t.close([b for b in self.inflight if self.transports[b.peer] is t])
+            else:
+                t.close()
+        self.transports, self._unique, self.inflight = {}, {}, []
+        self.stamps.close()
+
+
+def shm_dir() -> str:
+    """Where shared host tiers live: ``KVDIST_SHM_DIR`` or /dev/shm."""
+    return os.environ.get("KVDIST_SHM_DIR", "/dev/shm")
+
+
+__all__ = ["ALL_RULES", "GPU", "HOST", "LocalSlots", "RemoteTier", "shm_dir"]

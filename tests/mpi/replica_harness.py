@@ -1,0 +1,148 @@
+"""Driving replicas in the remote-tier MPI tests: replica 0 holds, replica 1 fetches,
+any further replica idles. Written for ``mpiexec -n 4`` (2 replicas x TP 2), valid at
+any world size of at least 2 (TP 2 when the world is even and >= 4, else TP 1)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import xxhash
+
+from kvdist.testing import IntegrityDriver, Seams, create
+from tests.conftest import make_cfg
+
+BLOCK = 512  # bytes per block of tests.conftest.BASE (4 tokens)
+PROMPT = list(range(1000, 1033))  # 8 full blocks reusable (the 33rd token is computed)
+FULL = 8
+HOLDER, FETCHER = 0, 1
+
+
+def tp_size(world: int) -> int:
+    return 2 if world % 2 == 0 and world >= 4 else 1
+
+
+def need_replicas(world: int) -> None:
+    if world // tp_size(world) < 2:
+        pytest.skip("needs two replicas")
+
+
+def config(transport: str = "auto", timeout_ms: float = 3000, simulate: bool = False,
+           gpu: int = 16, host: int = 32, world: int = 4) -> dict:
+    return make_cfg(
+        cache={"gpu": {"blocks": gpu}, "host": {"bytes": host * BLOCK}, "simulate_async": simulate},
+        distributed={"tp_size": tp_size(world), "consensus_timeout_s": 30,
+                     "remote": {"enabled": True, "fetch_timeout_ms": timeout_ms, "transport": transport}})
+
+
+class Replica:
+    """One rank's cache (built with test seams: ``remote_rules``, and the handles to
+    its remote tier and manager) and integrity driver (its pattern salted by the TP
+    rank, so a shard fetched from the wrong TP index would show as wrong bytes)."""
+
+    def __init__(self, cfg: dict, rules: frozenset[str] = frozenset({"R1", "R2", "R4"})):
+        from mpi4py import MPI
+
+        self.world = MPI.COMM_WORLD
+        self.seams = Seams(remote_rules=rules)
+        self.cache = create(cfg, self.seams)
+        self.remote = self.seams.remote
+        self.d = IntegrityDriver(self.cache, salt=self.cache.tp_rank)
+        self.tp = self.remote.tp  # tests agree inside a replica through its TP group
+        self.tables: dict[str, object] = {}
+
+    @property
+    def replica(self) -> int:
+        return self.cache.replica
+
+    def step(self, prompts: dict[str, list[int]] | None = None, *, prefetch: dict | None = None,
+             keep: bool = False) -> dict[str, int]:
+        """One step: prefetches, prompts admitted and computed; released unless ``keep``."""
+        d = self.d
+        d.begin()
+        for sid, toks in (prefetch or {}).items():
+            self.cache.prefetch(sid, toks)
+        reused = {sid: d.add(sid, toks) for sid, toks in (prompts or {}).items()}
+        if reused:
+            table = d.compute()
+            for row, sid in enumerate(reused):
+                self.tables[sid] = table[row].clone()
+        d.end()
+        if not keep:
+            for sid in reused:
+                d.release(sid)
+        self.cache.check_invariants()
+        return reused
+
+    def hold_prompt(self, prompt: list[int] = PROMPT, fillers: int = 3) -> list[list[str]]:
+        """Compute ``prompt``, then push its blocks to the host tier with fillers.
+        Returns the per-block, per-layer digests of the prompt's blocks as computed."""
+        self.step({"p": prompt}, keep=True)
+        digests = self.block_digests("p", FULL)
+        self.d.release("p")
+        for k in range(fillers):
+            self.step({f"f{k}": list(range(5000 + 100 * k, 5040 + 100 * k))})
+        hashes = self.prompt_hashes(prompt)
+        tiers = [self.remote.slots.tier_of(h) for h in hashes]
+        assert tiers == [1] * FULL, f"the prompt's blocks should all be in the host tier: {tiers}"
+        return digests
+
+    def prompt_hashes(self, prompt: list[int] = PROMPT) -> list[int]:
+        tokens = list(prompt)
+        return self.remote.slots.block_hashes(tokens)[: (len(tokens) - 1) // 4]
+
+    def host_slots_of(self, prompt: list[int] = PROMPT) -> list[int]:
+        index = self.seams.manager.index
+        return [index.find(h) for h in self.prompt_hashes(prompt)]
+
+    def overwrite(self, prompt: list[int] = PROMPT) -> None:
+        """Reuse the prompt (its host blocks move to the GPU, their host slots free up),
+        then churn until every one of those host slots holds another block."""
+        old = self.host_slots_of(prompt)
+        self.step({"p2": prompt})
+        k = 10
+        meta = self.seams.manager.meta
+        want = set(self.prompt_hashes(prompt))
+        while any(int(meta.state[s]) != 2 or (int(meta.hash_hi[s]) << 64 | int(meta.hash_lo[s])) in want
+                  for s in old):
+            self.step({f"f{k}": list(range(5000 + 100 * k, 5040 + 100 * k))})
+            k += 1
+            assert k < 40, "the prompt's old host slots were never reused"
+
+    def block_digests(self, sid: str, n: int) -> list[list[str]]:
+        row, pool = self.tables[sid], self.cache.kv_pool
+        return [[xxhash.xxh3_64_hexdigest(pool(layer)[int(row[b])].contiguous().numpy().tobytes())
+                 for layer in range(self.cache.layout.num_layers)] for b in range(n)]
+
+    def agreed(self, flag: bool) -> bool:
+        """``flag`` true on every rank of this replica (a TP-group MIN)."""
+        return bool(self.tp.allreduce_min([int(flag)], "test: agree")[0])
+
+    def wait_for_directory(self, prompt: list[int] = PROMPT, blocks: int = FULL) -> None:
+        """Idle steps until this replica's directory lists the prompt's first ``blocks``."""
+        hashes = self.prompt_hashes(prompt)
+        for _ in range(400):
+            if len(self.remote.directory.match(hashes)) >= blocks:
+                return
+            time.sleep(0.002)
+            self.step()
+        raise AssertionError("the directory never listed the prompt")
+
+    def serve_until(self, request) -> None:
+        """Idle steps (serving peers) until ``request`` (a world Ibarrier) completes on
+        every rank of this replica."""
+        while not self.agreed(request.Test()):
+            self.step()
+            time.sleep(0.001)
+        request.Wait()
+
+
+def exchange_digests(r: Replica, digests) -> list | None:
+    """The holder's digests, on the fetcher rank of the same TP index."""
+    world, T = r.world, r.cache.tp_size
+    if r.replica == HOLDER:
+        world.send(digests, dest=FETCHER * T + r.cache.tp_rank, tag=77)
+        return None
+    if r.replica == FETCHER:
+        return world.recv(source=HOLDER * T + r.cache.tp_rank, tag=77)
+    return None

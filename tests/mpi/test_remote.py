@@ -1,0 +1,313 @@
+"""The remote tier under mpiexec (rules R1–R4 of docs/design.md, "Remote tier").
+
+Replica 0 computes a prompt and pushes it to its host tier; replica 1 reuses it from
+there. Each rule's test also runs with that rule removed and shows what it prevents:
+wrong bytes (R2), TP ranks that diverge (R1, R4). See ``replica_harness`` for the
+world sizes these run at."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+
+import pytest
+
+import kvdist
+from tests.mpi.replica_harness import (
+    FETCHER,
+    FULL,
+    HOLDER,
+    PROMPT,
+    Replica,
+    config,
+    exchange_digests,
+    need_replicas,
+    tp_size,
+)
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def world():
+    from mpi4py import MPI
+
+    need_replicas(MPI.COMM_WORLD.size)
+    return MPI.COMM_WORLD
+
+
+ALL = frozenset({"R1", "R2", "R4"})
+
+
+def _open(world, rules: frozenset[str] = ALL, **kw) -> Replica:
+    return Replica(config(world=world.size, **kw), rules)
+
+
+@pytest.mark.parametrize("transport", ["auto", "messages"])
+def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport):
+    r = _open(world, transport=transport)
+    try:
+        kinds = r.cache.stats()["remote"]["transports"]
+        assert "remote" in r.cache.tiers
+        assert kinds == {"shared" if transport == "auto" else "messages": r.cache.num_replicas - 1}
+        digests = r.hold_prompt() if r.replica == HOLDER else None
+        want = exchange_digests(r, digests)
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            reused = r.step({"p": PROMPT}, keep=True)
+            assert reused == {"p": FULL * 4}
+            assert r.block_digests("p", FULL) == want  # every block, every layer, this shard
+            assert r.d.mismatched_tokens == 0 and r.d.checked_tokens == FULL * 4
+            s = r.cache.stats()
+            assert s["hit_tokens"]["remote"] == FULL * 4 and s["bytes_fetched_remote"] == FULL * 512
+            assert s["remote_misses"] == 0
+            r.d.release("p")
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())  # messages: the holder answers between its steps
+        r.cache.check_consistency()
+    finally:
+        r.cache.close()
+
+
+@pytest.mark.parametrize("inside_a_step", [True, False], ids=["in-step", "between-steps"])
+def test_prefetch_lands_before_admission(world, inside_a_step):
+    """A prefetch starts the blocks at once inside a step, else right after the next
+    begin_step; the begin_step after that agrees they landed."""
+    r = _open(world)
+    try:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            if inside_a_step:
+                r.d.begin()
+            assert r.cache.prefetch("p", PROMPT) == FULL
+            assert not r.cache.prefetch_ready("p")
+            if inside_a_step:
+                r.d.end()
+            else:
+                r.step()  # its begin_step starts the fetch
+                assert not r.cache.prefetch_ready("p")
+            r.step()  # its begin_step agrees the blocks landed
+            assert r.cache.prefetch_ready("p")
+            assert r.step({"p": PROMPT}) == {"p": FULL * 4}
+            s = r.cache.stats()
+            assert s["hit_tokens"]["remote"] == FULL * 4 and r.d.mismatched_tokens == 0
+            assert s["remote"]["prefetches"] == 1 and s["remote"]["blocks_landed"] == FULL
+        world.Barrier()
+        r.cache.check_consistency()
+    finally:
+        r.cache.close()
+
+
+@pytest.mark.parametrize("rule_on", [True, False], ids=["R2", "R2-off"])
+@pytest.mark.parametrize("transport", ["auto", "messages"])
+def test_r2_holder_overwrote_the_slots_after_lookup(world, transport, rule_on):
+    """The fetcher's directory is frozen (its messages delayed) while the holder reuses
+    the prompt's host slots for other blocks: the fetch finds other blocks there. The
+    stamps (checked by the fetcher on shared memory, by the holder for messages) make
+    them misses; without the check the other blocks' bytes land as the prompt's."""
+    r = _open(world, ALL if rule_on else ALL - {"R2"}, transport=transport)
+    try:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            r.remote.channel.hold(True)  # later directory messages: not yet here
+        world.Barrier()
+        if r.replica == HOLDER:
+            r.overwrite()
+        world.Barrier()
+        if r.replica == FETCHER:
+            reused = r.step({"p": PROMPT})
+            s = r.cache.stats()
+            if rule_on:
+                assert reused == {"p": 0} and r.d.mismatched_tokens == 0
+                assert s["remote_misses"] == FULL and s["remote"]["blocks_landed"] == 0
+                given_up = s["remote"]["given_up_here"]
+                assert given_up["stale"] == FULL, given_up
+            else:
+                assert reused == {"p": FULL * 4} and r.d.mismatched_tokens > 0
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
+    finally:
+        r.cache.close()
+
+
+@pytest.mark.parametrize("rule_on", [True, False], ids=["R2", "R2-off"])
+def test_r2_holder_overwrote_the_slot_while_it_was_copied(world, rule_on):
+    """Shared memory, simulated streams: the fetcher checked the stamps and queued the
+    copy on its "remote" stream, held; the holder then reuses the slots; the copy runs
+    after. The second stamp reading catches it; without it the wrong bytes land."""
+    r = _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000)
+    executor = r.seams.executor
+    try:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            executor.hold("remote")
+            r.step(prefetch={"p": PROMPT})
+            assert not r.cache.prefetch_ready("p")
+        world.Barrier()
+        if r.replica == HOLDER:
+            r.overwrite()
+        world.Barrier()
+        if r.replica == FETCHER:
+            executor.release("remote")
+            r.step()  # the copies run, are checked, and the replica agrees
+            assert r.cache.prefetch_ready("p")
+            reused = r.step({"p": PROMPT})
+            s = r.cache.stats()
+            if rule_on:
+                assert reused == {"p": 0} and r.d.mismatched_tokens == 0
+                assert s["remote_misses"] == FULL and s["remote"]["given_up_here"]["stale"] == FULL
+            else:
+                assert reused == {"p": FULL * 4} and r.d.mismatched_tokens > 0
+        world.Barrier()
+    finally:
+        r.cache.close()
+
+
+@pytest.mark.parametrize("rule_on", [True, False], ids=["R1", "R1-off"])
+def test_r1_one_tp_rank_fails_its_fetch(world, monkeypatch, rule_on):
+    """Fault drill remote_fetch on the fetcher's last TP rank: with R1 no rank of the
+    replica reuses the blocks; without the agreement the others do, and diverge."""
+    T = tp_size(world.size)
+    if T < 2:
+        pytest.skip("needs TP ranks")
+    monkeypatch.setenv("KVDIST_FAULTS", f"remote_fetch@{FETCHER * T + T - 1}")
+    r = _open(world, ALL if rule_on else ALL - {"R1"})
+    try:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            reused = r.step({"p": PROMPT})["p"]
+            everyone = r.tp.allgather(reused, "test: reused")
+            if rule_on:
+                assert everyone == [0] * T and r.cache.stats()["remote_misses"] == FULL
+                r.cache.check_consistency()
+            else:
+                assert everyone == [FULL * 4] * (T - 1) + [0]
+                with pytest.raises(kvdist.ConsistencyError):
+                    r.cache.check_consistency()
+            assert r.d.mismatched_tokens == 0
+        world.Barrier()
+    finally:
+        r.cache.close()
+
+
+@pytest.mark.parametrize("rule_on", [True, False], ids=["R4", "R4-off"])
+def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on):
+    """The fetcher's last TP rank gets the holder's directory messages steps later than
+    the others. With R4 the replica applies only what all have: its ranks' directories
+    (and so their decisions) stay equal at every step; without it they differ."""
+    T = tp_size(world.size)
+    if T < 2:
+        pytest.skip("needs TP ranks")
+    r = _open(world, ALL if rule_on else ALL - {"R4"})
+    try:
+        if r.replica == FETCHER and r.cache.tp_rank == T - 1:
+            r.remote.channel.hold(True)
+        world.Barrier()
+        if r.replica == HOLDER:
+            r.hold_prompt()
+        world.Barrier()
+        if r.replica == FETCHER:
+            time.sleep(0.05)  # the messages are here, on every rank
+            diverged = 0
+            for _ in range(3):
+                r.step()
+                try:
+                    r.cache.check_consistency()
+                except kvdist.ConsistencyError:
+                    diverged += 1
+            assert diverged == (0 if rule_on else 3)
+            if rule_on:
+                assert len(r.remote.directory) == 0  # nobody applied what one lacks
+                if r.cache.tp_rank == T - 1:
+                    r.remote.channel.hold(False)
+                r.wait_for_directory()
+                assert r.step({"p": PROMPT}) == {"p": FULL * 4} and r.d.mismatched_tokens == 0
+                r.cache.check_consistency()
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
+    finally:
+        r.cache.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "messages"])
+def test_r3_a_stopped_replica_never_stalls_another(world, transport):
+    """The holder replica's processes are stopped (SIGSTOP) while the fetcher runs
+    steps that look its blocks up. Shared memory needs nothing from the holder: the
+    blocks land. Messages: every fetch is a miss after fetch_timeout_ms, and each step
+    takes about that long, not longer."""
+    timeout_ms = 300
+    r = _open(world, transport=transport, timeout_ms=timeout_ms)
+    pids = world.allgather(os.getpid())
+    T = r.cache.tp_size
+    holders = pids[HOLDER * T:(HOLDER + 1) * T]
+    try:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+        world.Barrier()
+        if r.replica == FETCHER:
+            if r.cache.tp_rank == 0:
+                for pid in holders:
+                    os.kill(pid, signal.SIGSTOP)
+            r.tp.barrier("test: holder stopped")
+            try:
+                times, reused = [], {}
+                for k in range(3):  # the prompt, then steps that need nothing remote
+                    t0 = time.monotonic()
+                    reused.update(r.step({"p": PROMPT} if k == 0 else {f"q{k}": [k] * 9}))
+                    times.append(time.monotonic() - t0)
+                s = r.cache.stats()
+                if transport == "auto":
+                    assert reused["p"] == FULL * 4 and s["remote"]["blocks_landed"] == FULL
+                else:
+                    assert reused["p"] == 0 and s["remote_misses"] == FULL
+                    assert s["remote"]["given_up_here"]["timed_out"] == FULL
+                    assert times[0] >= timeout_ms / 1000
+                assert max(times) < timeout_ms / 1000 + 5.0, times  # bounded: no hang
+                assert r.d.mismatched_tokens == 0
+            finally:
+                r.tp.barrier("test: fetcher done")
+                if r.cache.tp_rank == 0:
+                    for pid in holders:
+                        os.kill(pid, signal.SIGCONT)
+        world.Barrier()
+        r.cache.check_consistency()
+    finally:
+        r.cache.close()
+
+
+def test_shm_too_small_falls_back_to_messages_with_one_warning(world, monkeypatch):
+    """The holder's ranks cannot put their host tier in shared memory: they keep it
+    private, the fetcher reaches them by messages, rank 0 warns once."""
+    if world.rank < tp_size(world.size):  # the holder replica's ranks
+        monkeypatch.setenv("KVDIST_SHM_DIR", "/nonexistent/kvdist-shm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = _open(world)
+    try:
+        mine = [str(w.message) for w in caught if "remote" in str(w.message) or "shm" in str(w.message)]
+        if world.rank == 0:
+            assert len(mine) == 1 and "/dev/shm could not hold the host tier" in mine[0], mine
+        else:
+            assert mine == []
+        kinds = r.cache.stats()["remote"]["transports"]
+        if r.replica == FETCHER:
+            assert kinds == {"messages": 1, **({"shared": r.cache.num_replicas - 2}
+                                               if r.cache.num_replicas > 2 else {})}
+    finally:
+        r.cache.close()
