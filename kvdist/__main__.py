@@ -1,5 +1,4 @@
-import sys
-
 from .cli import main
+from .process import exit_now
 
-sys.exit(main())
+exit_now(main())

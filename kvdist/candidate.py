@@ -56,14 +56,21 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
                   local_ranks: int = 1) -> tuple[int, int, int]:
     """Blocks per tier (gpu, host, disk) this rank would allocate."""
     c = cfg.cache
+    free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+            else available_memory() // max(local_ranks, 1))
     if c.gpu.blocks is not None:
         gpu = c.gpu.blocks
     elif c.gpu.bytes is not None:
         gpu = _blocks("cache.gpu.bytes", c.gpu.bytes, layout)
     else:
-        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else available_memory() // max(local_ranks, 1))
         gpu = _blocks("cache.gpu.memory_fraction", int(free * c.gpu.memory_fraction), layout)
+    if gpu * layout.bytes_per_block > free:
+        key, value = (("cache.gpu.blocks", c.gpu.blocks) if c.gpu.blocks is not None
+                      else ("cache.gpu.bytes", c.gpu.bytes))
+        where = (f"{device} has free" if device.type == "cuda"
+                 else f"this node has available for each of its {local_ranks} rank(s)")
+        raise ConfigError(key, value, f"{gpu * layout.bytes_per_block:,} bytes, more than the "
+                                      f"{free:,} bytes {where}")
     if c.host.bytes == "auto":
         size = auto_host_bytes(gpu * layout.bytes_per_block, max(local_ranks, 1),
                                memory_fraction=c.host.auto_memory_fraction,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
+from . import process
 from .errors import ConfigError
 
 BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus", "drills", "remote")
@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default="runs", help="directory for runs/<UTC time>/ results")
     run.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus metrics on this port (rank 0)")
+    run.add_argument("--metrics-host", default="127.0.0.1",
+                     help="interface the metrics listen on (default 127.0.0.1, this machine only; "
+                          "0.0.0.0 opens them to the network)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     bench = sub.add_parser("bench", help="benchmarks that print figures side by side")
     bench.add_argument("name", choices=BENCHES)
@@ -48,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"kvdist.bench.{args.name}")
         return module.main(args.args)
     except ConfigError as e:
-        print(f"kvdist: {e}", file=sys.stderr)
+        process.say(str(e))  # once: every rank found the same mistake
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    process.exit_now(main())

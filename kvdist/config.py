@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from . import paths
 from .dtypes import ITEMSIZE
 from .errors import MISSING, ConfigError
 from .units import GiB, parse_size
@@ -93,7 +94,7 @@ class HostTierConfig(_Section):
 
 class DiskTierConfig(_Section):
     bytes: Size = 0
-    path: str | None = None
+    path: str | None = None  # a directory; "auto": the private per-user one (kvdist.paths)
     io_threads: int = Field(default=4, gt=0)
     o_direct: bool = False
     # Share of the host tier end_step keeps free by demoting its coldest blocks: an
@@ -102,16 +103,8 @@ class DiskTierConfig(_Section):
 
     @field_validator("path")
     @classmethod
-    def _creatable(cls, v: str | None, info) -> str | None:
-        if v is None or info.data.get("bytes", 0) == 0:
-            return v
-        try:
-            os.makedirs(v, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot create the directory: {e.strerror}") from None
-        if not os.access(v, os.W_OK | os.X_OK):
-            raise ValueError("the directory is not writable")
-        return os.path.abspath(v)
+    def _absolute(cls, v: str | None) -> str | None:
+        return v if v in (None, paths.AUTO) else os.path.abspath(v)
 
 
 class CacheSection(_Section):
@@ -186,8 +179,8 @@ class WorkloadConfig(_Section):
     max_batch: int = Field(default=16, gt=0)  # sequences per step (prefills + decodes)
     max_prefill_tokens: int = Field(default=2048, gt=0)  # prompt tokens admitted per step
     priority: int = Field(default=35, ge=0, le=100)
-    vocab_size: int = Field(default=512, gt=1)
-    hidden: int = Field(default=64, gt=0)  # the tiny model's width
+    vocab_size: int = Field(default=512, gt=1, le=1 << 20)  # the tiny model keeps vocab x hidden floats
+    hidden: int = Field(default=64, gt=0, le=8192)  # the tiny model's width
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
 
 
@@ -265,6 +258,8 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
             data = yaml.safe_load(path.read_text())
         except OSError as e:
             raise ConfigError("<file>", str(path), f"cannot read the config file: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError("<file>", str(path), "not a YAML config: the file is not UTF-8 text") from None
         except yaml.YAMLError as e:
             raise ConfigError("<file>", str(path), f"not valid YAML: {e}".replace("\n", " ")) from None
         if data is None:
@@ -281,4 +276,21 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     if cfg.distributed.remote.enabled and cfg.cache.host.bytes == 0:
         raise ConfigError("distributed.remote.enabled", True,
                           "the remote tier needs a host tier (cache.host.bytes > 0)")
+    _check_disk_dir(cfg.cache.disk)
     return cfg
+
+
+def _check_disk_dir(disk: DiskTierConfig) -> None:
+    """The disk tier's directory can hold a file of ``bytes`` (one rank's share; the
+    start checks the node's ranks together). Runs after every other key validated
+    and creates nothing: the directory is made when the tier is built."""
+    if not disk.bytes or disk.path is None:
+        return
+    directory = paths.resolve_disk_dir(disk.path)
+    problem = paths.files_problem(directory)
+    if problem is not None:
+        raise ConfigError("cache.disk.path", disk.path, problem)
+    free = paths.free_bytes(directory)
+    if disk.bytes > free:
+        raise ConfigError("cache.disk.bytes", disk.bytes,
+                          f"more than the {free:,} bytes free under {paths.nearest_existing(directory)}")

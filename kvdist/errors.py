@@ -15,14 +15,18 @@ MISSING = object()
 
 
 class ConfigError(KVDistError, ValueError):
-    """A config key or value is wrong. The message names the key and the value."""
+    """A config key or value is wrong. The message names the key and the value. A key
+    that starts with ``--`` is a command-line option, an upper-case one an environment
+    variable."""
 
     def __init__(self, key: str, value: object, problem: str):
         self.key = key
         self.value = value
         self.problem = problem
         got = "" if value is MISSING else f" (got {value!r})"
-        super().__init__(f"config key '{key}': {problem}{got}")
+        what = ("option" if key.startswith("--") else
+                "environment variable" if key.isupper() else "config key")
+        super().__init__(f"{what} '{key}': {problem}{got}")
 
 
 class OutOfBlocksError(KVDistError):

@@ -19,7 +19,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from ..layout import KVLayout
-from ..storage.disk import DiskPool, free_bytes
+from ..paths import free_bytes
+from ..storage.disk import DiskPool
 from ..storage.host import HostMemory
 from ..units import gib, parse_size
 

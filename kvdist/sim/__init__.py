@@ -9,17 +9,40 @@ from __future__ import annotations
 
 import argparse
 
+from .. import process
 from ..config import load_config
+from ..errors import ConfigError
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m kvdist run`` (on every rank)."""
+    """Entry point of ``python -m kvdist run`` (on every rank). A mistake in the config
+    or the options, or a failed start, is one line from rank 0; Ctrl-C or SIGTERM stops
+    every rank at the same step and closes the caches."""
     cfg = load_config(args.config)  # first: a config mistake is reported before torch loads
-    from .driver import RunOptions, run
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise ConfigError("--metrics-port", args.metrics_port, "a TCP port is 1..65535")
+    process.show_warnings_once()
+    process.announce_to_launcher()
+    process.stop_on_signals()
+    from .driver import RunOptions, StartupFailed, run
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
-                      progress=not args.quiet)
-    results = run(cfg, opts)
+                      metrics_host=args.metrics_host, progress=not args.quiet)
+    try:
+        results = run(cfg, opts)
+    except process.Interrupted as e:
+        process.say(e.line())
+        return e.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C of a job without MPI
+        process.say("interrupted; caches closed")
+        return 130
+    except StartupFailed as e:
+        cause = e.cause
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        notes = "; ".join(getattr(cause, "__notes__", ()))
+        process.say(f"start-up failed: {cause}" + (f" ({notes})" if notes else ""))
+        return 1
     return 0 if results["ok"] else 1
 
 

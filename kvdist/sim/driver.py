@@ -23,16 +23,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .. import process
 from ..cache import KVCache, create
 from ..config import CacheConfig
 from ..dtypes import torch_dtype
-from ..errors import ConsistencyError
+from ..errors import ConsistencyError, KVDistError
 from .integrity import BlockLedger
 from .metrics import MetricsServer, Timeline, snapshot_from
 from .model import Segment, TinyModel
 from .parallel import TensorParallel
 from .placement import placements
 from .plots import write_plots
+from .preflight import StartupFailed, preflight
 from .report import human_bytes, new_run_dir, point_latest, render, write_results
 from .scheduler import Running, Scheduler, StepPlan
 from .shadows import Shadows
@@ -52,6 +54,7 @@ class RunOptions:
     requests: int | None = None  # overrides workload.requests
     out: str | None = "runs"  # None: write no run directory
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # the interface the metrics endpoint listens on
     progress: bool = True
 
 
@@ -82,17 +85,26 @@ class Simulation:
             cfg = cfg.replace(workload={"requests": opts.requests})
         self.cfg, self.opts, self.comm = cfg, opts, comm
         self.w = cfg.workload
-        self.cache: KVCache = create(cfg, comm=comm)
+        self.server: MetricsServer | None = preflight(comm, opts.out, opts.metrics_port, opts.metrics_host)
         try:
-            self.trace: Trace = self._make_trace()
-            self.tp = self._make_tp()
+            try:
+                self.cache: KVCache = create(cfg, comm=comm)
+            except KVDistError as e:
+                raise StartupFailed(e) from e
+            try:
+                self.trace: Trace = self._make_trace()
+                self.tp = self._make_tp()
+            except BaseException:
+                self.cache.close(wait_for_peers=False)
+                raise
         except BaseException:
-            self.cache.close(wait_for_peers=False)
+            if self.server is not None:
+                self.server.close()
             raise
         self.rank0 = self.cache.rank == 0  # prints, reports, runs the replays
         self.shadows: Shadows | None = None
-        self.server: MetricsServer | None = None
         self.timeline: Timeline | None = None
+        self.stop: process.Interrupted | None = None  # a signal every rank agreed to stop on
         try:
             self._setup()
         except BaseException:
@@ -122,8 +134,6 @@ class Simulation:
             solo = MPI.COMM_SELF
         self.shadows = Shadows(self.cfg, self.capacity["gpu"], self.w.priority, comm=solo)
         self.timeline = Timeline({t: self.capacity[t] for t in self.cache.tiers})
-        if self.opts.metrics_port is not None:
-            self.server = MetricsServer(self.opts.metrics_port)
 
     def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         if self.shadows is not None:
@@ -173,8 +183,12 @@ class Simulation:
             cache.append_tokens(rid, [token])
         table = cache.block_table([run.req.rid for run in plan.batch])
         t1 = time.perf_counter()
-        if not self.tp.agree([len(plan.batch), *reused]):
+        # One allreduce: the ranks reused alike, and whether any was asked to stop (a
+        # signal): all then stop after this same step.
+        same, stop = self.tp.agree([len(plan.batch), *reused], process.encode_stop(self.tp.rank))
+        if not same:
             raise ConsistencyError(f"ranks reused different prefixes at step {plan.step}", [])
+        self.stop = process.decode_stop(stop)
         self._on_compute_stream(lambda: self._compute(plan, table, reused))
         t2 = time.perf_counter()
         cache.end_step()
@@ -270,6 +284,8 @@ class Simulation:
                 except ConsistencyError as e:  # every rank learns it at the same collective
                     self.checks.consistency_error = f"step {self.sched.step}: {e}"
                     break
+                if self.stop is not None:  # every rank got the same value at the same step
+                    raise self.stop
                 if self.rank0:
                     self._progress(bar, done)
         finally:

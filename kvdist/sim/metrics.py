@@ -43,6 +43,12 @@ class Timeline:
                 "blocks_used": self.used, "blocks_moved": self.moved, "finished": self.finished}
 
 
+def _number(value: int | float) -> str:
+    """A sample value: ints exactly (a byte counter past 1e6 must not lose digits),
+    floats in their shortest exact form."""
+    return str(value) if isinstance(value, int) else repr(float(value))
+
+
 def exposition(snapshot: dict[str, tuple[str, str, list[tuple[dict[str, str], float]]]]) -> str:
     """Prometheus text format: ``{name: (type, help, [(labels, value), ...])}``."""
     lines = []
@@ -51,7 +57,7 @@ def exposition(snapshot: dict[str, tuple[str, str, list[tuple[dict[str, str], fl
         lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
             lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            lines.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+            lines.append(f"{name}{{{lab}}} {_number(value)}" if lab else f"{name} {_number(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -80,9 +86,10 @@ def snapshot_from(stats: dict, requests_done: int, mismatches: int) -> dict:
 
 
 class MetricsServer:
-    """Serves ``/metrics`` from a background thread; ``update`` swaps the snapshot."""
+    """Serves ``/metrics`` from a background thread; ``update`` swaps the snapshot.
+    Listens on ``host`` (loopback unless the operator opens it with --metrics-host)."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, host: str = "127.0.0.1"):
         self._lock = threading.Lock()
         self._body = b"# no step has run yet\n"
         server = self

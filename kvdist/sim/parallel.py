@@ -51,11 +51,12 @@ class TensorParallel:
         self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, a, op=self._c.MPI.MIN))
         return a.tolist()
 
-    def agree(self, values: list[int]) -> bool:
-        """True when every rank passed the same ``values`` (one small allreduce: the
-        minimum equals the maximum)."""
-        both = self.allreduce_min([*values, *(-v for v in values)])
-        return both[: len(values)] == [-v for v in both[len(values):]]
+    def agree(self, values: list[int], extra: int = 0) -> tuple[bool, int]:
+        """(whether every rank passed the same ``values``, the MAX of ``extra`` over the
+        ranks): one small allreduce (the minimum equals the maximum)."""
+        n = len(values)
+        both = self.allreduce_min([*values, *(-v for v in values), -extra])
+        return both[:n] == [-v for v in both[n:2 * n]], -both[-1]
 
     def barrier(self) -> None:
         """Wait for every rank, yielding the core (early ranks must not spin)."""

@@ -24,7 +24,6 @@ from ..config import CacheConfig
 from .admission import PrefetchGate
 from .ceiling import StepLog
 from .driver import Running, RunOptions, Simulation
-from .metrics import MetricsServer
 from .parallel import TensorParallel
 from .router import route, split
 from .scheduler import Scheduler, StepPlan
@@ -72,9 +71,8 @@ class ReplicaSimulation(Simulation):
 
     def _setup_reporting(self) -> None:
         """No replays or timeline per run (the job reports once, with the one-cache
-        replay); the metrics endpoint on rank 0 serves replica 0's figures."""
-        if self.rank0 and self.opts.metrics_port is not None:
-            self.server = MetricsServer(self.opts.metrics_port)
+        replay); the metrics endpoint on rank 0 (bound before the start) serves replica
+        0's figures."""
 
     def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         self.log.record(plan, appends, [r.req.rid for r in done])

@@ -5,8 +5,10 @@ A batch (``write_blocks`` / ``read_blocks``) is sorted by slot, runs of neighbou
 slots become one vectored call, and the runs are spread over the threads so the
 disk sees several requests at once. ``O_DIRECT`` (optional) bypasses the page cache:
 unaligned buffers go through an aligned per-thread bounce buffer, and a filesystem
-that refuses it falls back to buffered I/O with a warning. The file is private to
-the process that made it and removed on ``close()`` and on a failed start."""
+that refuses it falls back to buffered I/O with a warning. The file has no name
+(``O_TMPFILE``, else unlinked as soon as it is made): it is private to the process
+that made it, and its space returns when the process closes it or dies, whatever
+kills it — a crash never leaves a file behind."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import errno
 import logging
 import mmap
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .. import paths
 from ..errors import KVDistError
 from ..layout import KVLayout
 
@@ -31,12 +33,6 @@ DIRECT_ALIGN = 4096  # covers the logical block size of every common device
 MAX_RUN_BYTES = 16 << 20  # one vectored call moves at most this much
 IOV_MAX = 1024
 _FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-
-
-def free_bytes(directory: str) -> int:
-    """Bytes an unprivileged writer can still allocate under ``directory``."""
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
 
 
 def as_bytes(buf) -> np.ndarray:
@@ -50,7 +46,9 @@ def as_bytes(buf) -> np.ndarray:
 
 
 class DiskPool:
-    """``num_blocks`` blocks in a file under ``directory``, ``block_bytes`` each."""
+    """``num_blocks`` blocks in an unnamed file under ``directory``, ``block_bytes``
+    each. ``directory`` is created if missing; ``auto`` is the private per-user
+    directory of :func:`kvdist.paths.default_disk_dir`."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, directory: str, rank: int, *,
                  io_threads: int = 4, o_direct: bool = False):
@@ -62,7 +60,8 @@ class DiskPool:
         self.io_threads = io_threads
         self.fd: int | None = None
         self._direct_fd: int | None = None
-        self.path: str | None = None
+        self.directory: str | None = None
+        self.path: str | None = None  # a description: the file itself has no name
         self.direct_refused: str | None = None
         self.bytes_written = self.bytes_read = 0
         self._local = threading.local()
@@ -83,31 +82,37 @@ class DiskPool:
     # -- start -------------------------------------------------------------------------------
     def _create(self, directory: str, rank: int) -> None:
         want = self.num_blocks * self.stride
+        directory = paths.resolve_disk_dir(directory)
         try:
-            free = free_bytes(directory)
+            paths.prepare_disk_dir(directory)
+            free = paths.free_bytes(directory)
         except OSError as e:
-            raise KVDistError(f"disk tier: cannot use {directory}: {e.strerror}") from e
+            raise KVDistError(f"disk tier: cannot use {directory}: {e.strerror or e}") from e
+        problem = paths.files_problem(directory)
+        if problem is not None:
+            raise KVDistError(f"disk tier: {problem} ({want} bytes asked, {free} bytes free)")
         if want > free:
             raise KVDistError(f"disk tier: {directory} is too full: {want} bytes asked, {free} bytes free")
         try:
-            # mkstemp gives a name no other process (rank, job, COMM_SELF cache) can share.
-            self.fd, self.path = tempfile.mkstemp(prefix=f"kvdist-r{rank}-", suffix=".blocks", dir=directory)
+            self.fd = paths.open_unnamed(directory)
         except OSError as e:
             raise KVDistError(f"disk tier: {directory} is not writable: {e.strerror} "
                               f"({want} bytes asked, {free} bytes free)") from e
+        self.directory = directory
+        self.path = f"{directory}/<rank {rank}'s unnamed file, fd {self.fd}>"
         try:
             os.posix_fallocate(self.fd, 0, want)
         except OSError as e:
             what = "is full" if e.errno in _FULL else "cannot preallocate the file"
             raise KVDistError(f"disk tier: {directory} {what}: {e.strerror} ({want} bytes asked, "
-                              f"{free_bytes(directory)} bytes free)") from e
+                              f"{paths.free_bytes(directory)} bytes free)") from e
 
     def _open_direct(self) -> None:
         if not hasattr(os, "O_DIRECT"):
             self.direct_refused = "this platform has no O_DIRECT"
         else:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            try:  # a second open file description of the unnamed file, with O_DIRECT
+                fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
             except OSError as e:
                 self.direct_refused = f"the filesystem refuses O_DIRECT ({e.strerror})"
             else:
@@ -313,7 +318,7 @@ class DiskPool:
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        """Stop the workers, close the file and remove it (idempotent)."""
+        """Stop the workers and close the file, which frees its space (idempotent)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -322,6 +327,4 @@ class DiskPool:
             if fd is not None:
                 os.close(fd)
                 setattr(self, name, None)
-        if self.path and os.path.exists(self.path):
-            os.unlink(self.path)
         self.path = None

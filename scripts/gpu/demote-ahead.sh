@@ -5,7 +5,7 @@
 set -u
 if [ -d .whl ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
 O=${OUT:-/tmp/out}
-sed 's|disk: {path: /tmp/kvdist-disk, bytes: 8GiB}|disk: {path: /tmp/kvdist-disk, bytes: 8GiB, demote_ahead: 0}|' \
+sed 's|disk: {path: auto, bytes: 8GiB}|disk: {path: auto, bytes: 8GiB, demote_ahead: 0}|' \
     configs/h200.yaml > /tmp/h200-no-ahead.yaml
 grep -q "demote_ahead: 0}" /tmp/h200-no-ahead.yaml || { echo "sed did not apply"; exit 1; }
 for cfg in /tmp/h200-no-ahead.yaml configs/h200.yaml; do

@@ -1,0 +1,143 @@
+"""How a ``python -m kvdist run`` process behaves as one rank of a job: its rank before
+MPI starts, one-line messages printed once (by rank 0), a stop on Ctrl-C or SIGTERM
+that every rank makes at the same step, an exit without MPI_Abort's banners, and the
+note that lets launch/kvdist-launch say which rank died and how."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+
+RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+LAUNCH_DIR_ENV = "KVDIST_LAUNCH_DIR"  # set by launch/kvdist-launch
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its MPI launcher set it in the environment; None when
+    no launcher started it (a job of one process)."""
+    for name in RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def announce_to_launcher() -> None:
+    """Tell launch/kvdist-launch which process runs this rank (``rank-N`` holding
+    "host pid" in ``$KVDIST_LAUNCH_DIR``): it watches the ranks of its node and, when
+    one is killed, says which (the survivors are killed right after, mid-sentence)."""
+    directory, rank = os.environ.get(LAUNCH_DIR_ENV), launcher_rank()
+    if not directory or rank is None:
+        return
+    tmp = os.path.join(directory, f".rank-{rank}.{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        os.rename(tmp, os.path.join(directory, f"rank-{rank}"))
+    except OSError:  # a node without that directory: the launcher watches its own node only
+        pass
+
+
+def reports() -> bool:
+    """Whether this process prints the job's one-line messages (rank 0, or alone)."""
+    return launcher_rank() in (None, 0)
+
+
+def say(message: str) -> None:
+    """``kvdist: message`` on stderr, once per job (rank 0)."""
+    if reports():
+        print(f"kvdist: {message}", file=sys.stderr, flush=True)
+
+
+def show_warnings_once() -> None:
+    """kvdist's warnings (e.g. HostTierWarning) as one line without a source line, by
+    rank 0 only; other warnings as Python shows them."""
+    import warnings
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not category.__module__.startswith("kvdist"):
+            default(message, category, filename, lineno, file, line)
+        elif reports():
+            text = str(message)
+            print(text if text.startswith("kvdist") else f"kvdist: warning: {text}",
+                  file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+
+
+def exit_now(code: int, wait_s: float = 30.0) -> None:
+    """Leave with ``code``. With MPI initialized and a non-zero code, wait (at most
+    ``wait_s``) until every rank is leaving, finalize, and skip the interpreter's exit,
+    where ``python -m mpi4py`` would turn the code into MPI_Abort (two lines a rank and
+    a banner); mpiexec kills ranks still running when one exits with an error, so no
+    rank may leave before the others are done. Every rank must be leaving alike."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if code and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        # The process's last collective, over the launcher's world, outside the library.
+        done = mpi.COMM_WORLD.Ibarrier()
+        deadline = time.monotonic() + wait_s
+        while not done.Test() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        mpi.Finalize()
+        os._exit(code)
+    sys.exit(code)
+
+
+# -- stopping on a signal ------------------------------------------------------------------------
+class Interrupted(Exception):
+    """The job stopped at a step boundary because of ``signum`` (on ``rank``)."""
+
+    def __init__(self, signum: int, rank: int):
+        self.signum = signum
+        self.rank = rank
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        if self.signum == signal.SIGINT:
+            return "interrupted; caches closed"
+        return f"stopped by {signal.Signals(self.signum).name} on rank {self.rank}; caches closed"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+_stop = [0]  # the first stop signal received (0: none)
+
+
+def stop_signal() -> int:
+    return _stop[0]
+
+
+def encode_stop(rank: int) -> int:
+    """This rank's stop request as one int whose MAX over the ranks names the worst
+    signal and a rank that got it (0: no rank wants to stop)."""
+    return _stop[0] * 65536 + rank + 1 if _stop[0] else 0
+
+
+def decode_stop(value: int) -> Interrupted | None:
+    return Interrupted(value // 65536, value % 65536 - 1) if value else None
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM ask the job to stop at the next step boundary (the ranks
+    agree on it, close their caches, and rank 0 says so). A second SIGINT to a process
+    running alone stops it at once; under MPI the launcher forwards Ctrl-C too, so
+    repeats are ignored there (mpiexec's own second Ctrl-C force-kills the job)."""
+    alone = launcher_rank() is None
+
+    def handler(signum, frame) -> None:
+        if not _stop[0]:
+            _stop[0] = signum
+        elif alone and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,61 @@
+"""A job that is killed or interrupted loses nothing and leaves nothing: a real
+2-rank job (launch/kvdist-launch) gets a signal once its caches exist (its header
+line is the marker); then the disk-tier directory must be empty, the job must end
+by itself within seconds, and one line must say what happened."""
+
+import os
+import re
+import signal
+
+import pytest
+
+from .launching import finish, rank_pid, start, tiny_config, wait_for_line
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
+
+HEADER = "kvdist run: 2 ranks"
+
+
+def _run(tmp_path):
+    disk = tmp_path / "disk"
+    cfg = tiny_config(tmp_path, disk_dir=disk)
+    proc = start(["run", "--config", str(cfg), "--quiet", "--out", str(tmp_path / "runs")], np=2)
+    wait_for_line(proc, HEADER)
+    return proc, disk
+
+
+def _lines(text: str, pattern: str) -> list[str]:
+    return [ln for ln in text.splitlines() if re.search(pattern, ln)]
+
+
+def test_sigkill_of_a_rank_leaves_no_file_and_names_the_rank(tmp_path):
+    proc, disk = _run(tmp_path)
+    victim = rank_pid(proc, 1)
+    assert os.listdir(disk) == []  # the rank's disk file is open, and has no name
+    os.kill(victim, signal.SIGKILL)
+    code, out, err = finish(proc, timeout=30)
+    assert code != 0
+    said = _lines(err, r"^kvdist: rank 1 ")
+    assert said == [f"kvdist: rank 1 (pid {victim} on {os.uname().nodename}) was killed by SIGKILL; "
+                    "the job ends"], err
+    assert os.listdir(disk) == []
+
+
+def test_sigterm_of_one_rank_stops_every_rank_cleanly(tmp_path):
+    proc, disk = _run(tmp_path)
+    os.kill(rank_pid(proc, 1), signal.SIGTERM)
+    code, out, err = finish(proc, timeout=30)
+    assert code == 128 + signal.SIGTERM, (out, err)
+    assert _lines(err, "kvdist: ") == ["kvdist: stopped by SIGTERM on rank 1; caches closed"], err
+    assert "Traceback" not in err and "BAD TERMINATION" not in out
+    assert os.listdir(disk) == []
+
+
+def test_ctrl_c_to_the_process_group_is_one_line_and_exit_130(tmp_path):
+    proc, disk = _run(tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    code, out, err = finish(proc, timeout=30)
+    assert code == 130, (out, err)
+    assert _lines(err, "kvdist: ") == ["kvdist: interrupted; caches closed"], err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "BAD TERMINATION" not in out
+    assert os.listdir(disk) == []
