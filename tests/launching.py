@@ -62,7 +62,7 @@ def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60) -> s
             seen.append(line)
             if line.startswith(prefix):
                 return line
-    os.killpg(proc.pid, 9)
+    kill_job(proc)
     raise AssertionError(f"no line starting {prefix!r}; stdout: {seen!r}; stderr: {proc.stderr.read()}")
 
 
@@ -71,10 +71,25 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_job(proc)
         out, err = proc.communicate()
         raise AssertionError(f"the job did not end within {timeout} s; stderr: {err}") from None
     return proc.returncode, out, err
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the job and every process under it (mpiexec starts each rank in a
+    session of its own, out of reach of a process-group kill)."""
+    kids, todo, tree = _children(), [proc.pid], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(kids.get(pid, []))
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
 
 
 def _children() -> dict[int, list[int]]:

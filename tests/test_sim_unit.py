@@ -327,10 +327,11 @@ def test_shipped_configs_overflow_the_gpu_tier_and_fit_every_request(name):
     assert working_set > 4 * gpu and working_set > gpu + host and disk > 0
 
 
-def test_multinode_example_is_a_valid_config(tmp_path):
+def test_multinode_example_is_a_valid_config(tmp_path, monkeypatch):
     import yaml
 
     data = yaml.safe_load((ROOT / "configs" / "multinode.yaml").read_text())
-    data["cache"]["disk"]["path"] = str(tmp_path)  # validation creates the directory
+    data["cache"]["disk"]["path"] = str(tmp_path)  # its node-local NVMe is not here
+    monkeypatch.setattr(kvdist.paths, "free_bytes", lambda directory: 1 << 50)  # nor its 128 GiB
     cfg = kvdist.load_config(data)
     assert (cfg.model.num_layers, cfg.model.num_kv_heads, cfg.cache.host.bytes) == (80, 1, "auto")

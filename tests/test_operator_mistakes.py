@@ -1,0 +1,112 @@
+"""Every operator mistake is one line naming the key (or option) and the value, exit
+status 2, printed once however many ranks run, and found before anything is built or
+created."""
+
+import os
+import socket
+
+import pytest
+import yaml
+
+import kvdist
+
+from .conftest import make_cfg
+from .launching import finish, start, tiny_config
+
+
+def _one_line(args: list[str], must: list[str], np: int | None = None, env: dict | None = None) -> str:
+    code, out, err = finish(start(args, np=np, env=env), timeout=120)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("kvdist-launch:")]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("kvdist: "), err
+    assert all(m in lines[0] for m in must), err
+    assert "Traceback" not in err and "kvdist run:" not in out  # nothing was built
+    return lines[0]
+
+
+def _config(tmp_path, **sections) -> str:
+    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
+    for name, over in sections.items():
+        cfg[name].update(over)  # a key's whole value is replaced
+    path = tmp_path / "mistake.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_binary_config_file_is_one_line_once_on_4_ranks(tmp_path):
+    path = tmp_path / "garbage.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    _one_line(["run", "--config", str(path)], ["not UTF-8", str(path)], np=4)
+
+
+@pytest.mark.parametrize("gpu, key", [({"blocks": 10**12}, "cache.gpu.blocks"),
+                                      ({"bytes": "10000TB"}, "cache.gpu.bytes")])
+def test_gpu_tier_larger_than_memory_is_one_line(tmp_path, gpu, key):
+    line = _one_line(["run", "--config", _config(tmp_path, cache={"gpu": gpu})], [key, "more than"])
+    assert "available" in line
+
+
+def test_gpu_tier_mistake_is_printed_once_on_4_ranks(tmp_path):
+    _one_line(["run", "--config", _config(tmp_path, cache={"gpu": {"blocks": 10**12}})],
+              ["cache.gpu.blocks", "1000000000000"], np=4)
+
+
+def test_disk_bytes_beyond_the_free_space(tmp_path):
+    cfg = make_cfg(cache={"disk": {"path": str(tmp_path / "a" / "b"), "bytes": "10000TB"}})
+    with pytest.raises(kvdist.ConfigError, match="more than the .* bytes free") as ei:
+        kvdist.load_config(cfg)
+    assert ei.value.key == "cache.disk.bytes" and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("where", ["/proc", "/sys/kernel"])
+def test_disk_path_on_a_pseudo_filesystem_is_not_writable(where):
+    if not os.path.isdir(where):
+        pytest.skip(f"no {where} here")
+    with pytest.raises(kvdist.ConfigError, match=f"{where} is not writable") as ei:
+        kvdist.load_config(make_cfg(cache={"disk": {"path": where, "bytes": "1MiB"}}))
+    assert ei.value.key == "cache.disk.path" and "too full" not in str(ei.value)
+
+
+def test_nothing_is_created_before_the_whole_config_validated(tmp_path):
+    bad = make_cfg(model={"num_layers": 0}, cache={"disk": {"path": str(tmp_path / "a/b/c"), "bytes": "1MiB"}})
+    with pytest.raises(kvdist.ConfigError, match="model.num_layers"):
+        kvdist.load_config(bad)
+    good = make_cfg(cache={"disk": {"path": str(tmp_path / "a/b/c"), "bytes": "1MiB"}})
+    kvdist.load_config(good)  # valid, and still nothing created: that is the tier's job
+    assert os.listdir(tmp_path) == []
+    cache = kvdist.create(good)
+    assert os.listdir(tmp_path / "a/b/c") == []  # made now; its file has no name
+    cache.close()
+
+
+def test_vocab_size_beyond_the_tiny_model(tmp_path):
+    _one_line(["run", "--config", _config(tmp_path, workload={"vocab_size": 10**12})],
+              ["workload.vocab_size", "1000000000000"])
+
+
+def test_out_directory_is_checked_before_the_run(tmp_path):
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    _one_line(["run", "--config", _config(tmp_path), "--out", "/proc/x"], ["--out", "/proc/x", "not writable"])
+
+
+def test_metrics_port_out_of_range_or_in_use(tmp_path):
+    cfg = _config(tmp_path)
+    _one_line(["run", "--config", cfg, "--metrics-port", "70000"], ["--metrics-port", "70000", "1..65535"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _one_line(["run", "--config", cfg, "--metrics-port", str(port)],
+                  ["--metrics-port", str(port), "127.0.0.1"])
+
+
+def test_host_tier_warning_is_one_line_once_on_4_ranks(tmp_path):
+    cfg = _config(tmp_path, workload={"requests": 2})
+    code, out, err = finish(start(["run", "--config", cfg, "--quiet", "--out", str(tmp_path / "runs")], np=4,
+                                  env={"KVDIST_FAULTS": "host_tier@2"}), timeout=180)
+    assert code == 0, err
+    said = [ln for ln in err.splitlines() if not ln.startswith("kvdist-launch:")]
+    assert said == ["kvdist: running without the host tier on all 4 rank(s) (USE_NO_HOST): the host tier "
+                    "could not be had on rank 2: HostTierUnavailable: fault drill KVDIST_FAULTS: host tier "
+                    "unavailable on rank 2"], err  # once, with no source line under it
