@@ -13,8 +13,8 @@ import torch
 
 from kvdist.errors import KVDistError
 from kvdist.layout import KVLayout
-from kvdist.storage import disk as disk_mod
 from kvdist.paths import free_bytes
+from kvdist.storage import disk as disk_mod
 from kvdist.storage.disk import DiskPool
 from kvdist.storage.host import HostMemory
 from kvdist.storage.host_sizing import HostLimits

@@ -68,10 +68,11 @@ def test_disk_path_on_a_pseudo_filesystem_is_not_writable(where):
 
 
 def test_nothing_is_created_before_the_whole_config_validated(tmp_path):
-    bad = make_cfg(model={"num_layers": 0}, cache={"disk": {"path": str(tmp_path / "a/b/c"), "bytes": "1MiB"}})
+    disk = {"disk": {"path": str(tmp_path / "a/b/c"), "bytes": "1MiB"}}
+    bad = make_cfg(model={"num_layers": 0}, cache=disk)
     with pytest.raises(kvdist.ConfigError, match="model.num_layers"):
         kvdist.load_config(bad)
-    good = make_cfg(cache={"disk": {"path": str(tmp_path / "a/b/c"), "bytes": "1MiB"}})
+    good = make_cfg(cache=disk)
     kvdist.load_config(good)  # valid, and still nothing created: that is the tier's job
     assert os.listdir(tmp_path) == []
     cache = kvdist.create(good)
@@ -87,7 +88,8 @@ def test_vocab_size_beyond_the_tiny_model(tmp_path):
 def test_out_directory_is_checked_before_the_run(tmp_path):
     if not os.path.isdir("/proc"):
         pytest.skip("no /proc here")
-    _one_line(["run", "--config", _config(tmp_path), "--out", "/proc/x"], ["--out", "/proc/x", "not writable"])
+    _one_line(["run", "--config", _config(tmp_path), "--out", "/proc/x"],
+              ["--out", "/proc/x", "not writable"])
 
 
 def test_metrics_port_out_of_range_or_in_use(tmp_path):
