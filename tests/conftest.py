@@ -1,4 +1,5 @@
 import copy
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -78,8 +79,8 @@ def probe(monkeypatch):
         p.live.add(id(local))
         p.tensors += [weakref.ref(t) for t in (local.gpu.data, getattr(local.host, "raw", None))
                       if t is not None]
-        if local.disk is not None:
-            p.files.append(local.disk.path)
+        if local.disk is not None:  # the file has no name: where its descriptor points
+            p.files.append(os.readlink(f"/proc/self/fd/{local.disk.fd}"))
         return local
 
     def teardown(self):
