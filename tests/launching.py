@@ -22,7 +22,7 @@ TINY = {
     "distributed": {"consensus_timeout_s": 20},
     "workload": {"requests": 100_000, "conversations": 8, "system_prompt_tokens": 64, "turns": [1, 4],
                  "user_tokens": [8, 32], "output_tokens": [2, 8], "arrival_rate": 2.0, "max_batch": 8,
-                 "hidden": 16, "verify_logits_every": 0, "check_consistency_every": 0},
+                 "hidden": 16, "verify_logits_every": 0},
 }
 
 
