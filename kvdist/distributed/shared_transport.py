@@ -50,14 +50,15 @@ class PeerCopier:
 
     def __init__(self, executor, device: torch.device):
         self.executor = executor
-        self.cuda = device.type == "cuda"
+        self.cuda = hasattr(executor, "stream_wait")  # a CUDA executor (the CUDA device's)
         self.simulated = hasattr(executor, "enqueue")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvdist-remote") if self.cuda else None
 
     def start(self, src: torch.Tensor, dst: torch.Tensor, s_idx: np.ndarray, d_idx: np.ndarray,
-              deps: list, src_chunk: int = 0):
-        if dst.device.type == "cuda":
+              deps: list, to_gpu: bool, src_chunk: int = 0):
+        """Copy into ``dst``, which is the GPU tier when ``to_gpu``."""
+        if self.cuda and to_gpu:
             self.executor.stream_wait(self.stream, deps)
             self.executor.copier.copy(self.stream, src, dst, s_idx, d_idx, src_chunk=src_chunk)
             ev = torch.cuda.Event()
@@ -147,7 +148,7 @@ class SharedTransport:
         tier = batch.tier
         handle = self.copier.start(self.peer_pool.raw, self.landing[tier], batch.peer_slots[idx],
                                    dst - self.slots.tier_base(tier), self.slots.pending_events(dst),
-                                   src_chunk=self.peer_pool.chunk_blocks)
+                                   to_gpu=tier == GPU, src_chunk=self.peer_pool.chunk_blocks)
         batch.handle = (handle, idx, gen, check)
         self.poll(batch, 0.0)
 

@@ -1,9 +1,14 @@
 """Driving replicas in the remote-tier MPI tests: replica 0 holds, replica 1 fetches,
 any further replica idles. Written for ``mpiexec -n 4`` (2 replicas x TP 2), valid at
-any world size of at least 2 (TP 2 when the world is even and >= 4, else TP 1)."""
+any world size of at least 2 (TP 2 when the world is even and >= 4, else TP 1).
+
+``KVDIST_TEST_DEVICE=cuda:0`` runs them with the GPU tier on that device (every rank
+on the one GPU): the CUDA paths of the transports (a DMA from the peer's registered
+mapping, pinned host landing slots)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -16,6 +21,7 @@ BLOCK = 512  # bytes per block of tests.conftest.BASE (4 tokens)
 PROMPT = list(range(1000, 1033))  # 8 full blocks reusable (the 33rd token is computed)
 FULL = 8
 HOLDER, FETCHER = 0, 1
+DEVICE = os.environ.get("KVDIST_TEST_DEVICE", "cpu")
 
 
 def tp_size(world: int) -> int:
@@ -30,7 +36,8 @@ def need_replicas(world: int) -> None:
 def config(transport: str = "auto", timeout_ms: float = 3000, simulate: bool = False,
            gpu: int = 16, host: int = 32, world: int = 4) -> dict:
     return make_cfg(
-        cache={"gpu": {"blocks": gpu}, "host": {"bytes": host * BLOCK}, "simulate_async": simulate},
+        cache={"gpu": {"blocks": gpu}, "host": {"bytes": host * BLOCK}, "simulate_async": simulate,
+               "device": DEVICE},
         distributed={"tp_size": tp_size(world), "consensus_timeout_s": 30,
                      "remote": {"enabled": True, "fetch_timeout_ms": timeout_ms, "transport": transport}})
 
@@ -111,7 +118,7 @@ class Replica:
 
     def block_digests(self, sid: str, n: int) -> list[list[str]]:
         row, pool = self.tables[sid], self.cache.kv_pool
-        return [[xxhash.xxh3_64_hexdigest(pool(layer)[int(row[b])].contiguous().numpy().tobytes())
+        return [[xxhash.xxh3_64_hexdigest(pool(layer)[int(row[b])].contiguous().cpu().numpy().tobytes())
                  for layer in range(self.cache.layout.num_layers)] for b in range(n)]
 
     def agreed(self, flag: bool) -> bool:
