@@ -146,7 +146,7 @@ def run_sizes(args, comm, device: torch.device) -> list[dict]:
         token = comm.bcast(secrets.token_hex(6) if rank == 0 else None, root=0)
         holder = Holder(layout, cap, token, device, comm) if rank == 0 else None
         info = comm.bcast((holder.pool.shared_path, holder.stamps.shared_path,
-                           MPI.Get_processor_name()) if rank == 0 else None, root=0)
+                           MPI.Get_processor_name(), holder.pool.shared_error) if rank == 0 else None, root=0)
         src = np.sort(rng.choice(cap, n, replace=False))[rng.permutation(n)]
         dst = np.sort(rng.choice(cap, n, replace=False))[rng.permutation(n)]
         nbytes = n * size
@@ -186,7 +186,7 @@ def _serve(args, comm, holder: Holder | None, nbytes: int) -> None:
 def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
     from mpi4py import MPI
 
-    host_path, stamps_path, holder_node = info
+    host_path, stamps_path, holder_node, shm_error = info
     pin = device.type == "cuda"
     landing_host = HostPool(layout, cap, pin=pin, device=device if pin else None, progress=False)
     gpu = GpuPool(layout, cap, device)
@@ -197,7 +197,7 @@ def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
     else:
         executor = SyncExecutor(HostCopies(gpu, landing_host, None))
     slots = _Slots(executor)
-    out: dict = {"device": str(device)}
+    out: dict = {"device": str(device), "shm_error": shm_error}
     same_node = holder_node == MPI.Get_processor_name() and host_path is not None
     rounds: dict[str, list[float]] = {}
 
@@ -280,6 +280,10 @@ def main(argv: list[str]) -> int:
             where = rows[0].get("device", "?")
             print(_report(rows, f"bench remote: rank 1 fetches {args.blocks} scattered blocks from rank 0 "
                                 f"({nodes} node(s)), landing on {where}; medians of {args.rounds} rounds"))
+            for r in rows:
+                if r.get("shm_error"):
+                    print(f"{r['size']}: no shared rows: the holder's host tier is not in shared memory "
+                          f"({r['shm_error']})")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)

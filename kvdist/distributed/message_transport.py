@@ -47,21 +47,23 @@ def _tags(rid: int) -> tuple[int, int]:
 class _Answer:
     """The fetcher's receives of one answer: one per block, then the trailer."""
 
-    __slots__ = ("blocks", "cancelled", "given_up", "peer", "rid", "tail", "trailer")
+    __slots__ = ("blocks", "cancelled", "given_up", "next", "peer", "rid", "tail", "trailer")
 
     def __init__(self, rid: int, peer: int, blocks: list, tail, trailer: np.ndarray):
         self.rid, self.peer, self.blocks, self.tail, self.trailer = rid, peer, blocks, tail, trailer
+        self.next = 0  # blocks before this one are received (they arrive in order)
         self.cancelled = [0, 0]  # receives cancelled: of blocks, of the trailer
         self.given_up = False
 
     def complete(self, MPI) -> bool:
-        """Whether every receive completed (received or cancelled); notes cancellations."""
-        if self.blocks:
-            statuses = [MPI.Status() for _ in self.blocks]
-            if not MPI.Request.Testall(self.blocks, statuses):
+        """Whether every receive completed (received or cancelled); notes cancellations.
+        Tests from the first open block receive on (one Test a call when nothing came)."""
+        blocks, status = self.blocks, MPI.Status()
+        while self.next < len(blocks):
+            if not blocks[self.next].Test(status):
                 return False
-            self.cancelled[0] = sum(s.Is_cancelled() for s in statuses)
-            self.blocks = []
+            self.cancelled[0] += status.Is_cancelled()
+            self.next += 1
         if self.tail is not None:
             status = MPI.Status()
             if not self.tail.Test(status):
@@ -72,7 +74,7 @@ class _Answer:
 
     def give_up(self) -> None:
         self.given_up = True
-        for req in (*self.blocks, self.tail):
+        for req in (*self.blocks[self.next:], self.tail):
             if req is not None and req:  # a completed request is MPI_REQUEST_NULL
                 req.Cancel()
 
@@ -161,10 +163,13 @@ class MessageTransport:
         self._incoming = still
         serving = []
         for entry in self._serving:
-            if MPI.Request.Testall(entry[0]):
-                self._trail(*entry[1:])
-            else:
+            reqs = entry[0]  # sends of one answer, tested from the first still open
+            while reqs and reqs[-1].Test():
+                reqs.pop()
+            if reqs:
                 serving.append(entry)
+            else:
+                self._trail(*entry[1:])
         self._serving = serving
         self._drain()
         while self._sends and self._sends[0][0].Test():
@@ -185,6 +190,7 @@ class MessageTransport:
         data_tag = _tags(rid)[0]
         host = self.host
         reqs = [self.cross.Isend([host[s], MPI.BYTE], dest=src, tag=data_tag) for s in safe.tolist()]
+        reqs.reverse()  # popped from the end as they complete, first sent first
         self._serving.append((reqs, src, rid, safe, gen, ok))
         self.requests_served += 1
         self.blocks_served += n

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The remote tier on a GPU machine (issue 15). Logged under $OUT (default /tmp/out).
+#   1. the remote-tier MPI tests with the GPU tier on cuda:0 (4 ranks = 2 replicas x TP 2,
+#      all on GPU 0): the shared-memory transport DMAs from the peer's registered mapping;
+#   2. bench remote, 2 ranks on one node: 2,048 scattered blocks of 128 KiB / 512 KiB / 2 MiB
+#      fetched from the peer's host tier into the GPU, next to the contiguous copy from the
+#      peer's mapping and from this rank's own pinned memory (the host->GPU ceiling), and
+#      the MPI path next to one contiguous MPI transfer. DEVICE=cuda:0: both ranks' tiers
+#      on GPU 0 (two replicas sharing one H200); DEVICE=auto on 2+ GPUs: one GPU each;
+#   3. bench remote --upkeep, 8 ranks (8 x TP 1, then 4 x TP 2) on the host's CPU cores:
+#      what the directory and the TP group's agreement add to per-step bookkeeping.
+# From the repo root:  bash scripts/gpu/remote.sh     (about 6 min on one H200)
+set -u
+if [ -d .whl ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG="$OUT/remote.log"
+MPIEXEC=${MPIEXEC:-mpiexec}
+DEVICE=${DEVICE:-cuda:0}
+nvidia-smi -L | tee "$LOG"
+echo "/dev/shm: $(df -h /dev/shm | tail -1)   memlock: $(ulimit -l)" | tee -a "$LOG"
+echo "== remote-tier MPI tests, GPU tier on cuda:0" | tee -a "$LOG"
+KVDIST_TEST_DEVICE=cuda:0 MPIEXEC_TIMEOUT=300 timeout 320 "$MPIEXEC" -n 4 python3 -m mpi4py -m pytest -q \
+    --with-mpi -m mpi -p no:cacheprovider tests/mpi/test_remote.py 2>&1 | tail -25 | tee -a "$LOG"
+echo "== bench remote, 2 ranks, landing on $DEVICE" | tee -a "$LOG"
+MPIEXEC_TIMEOUT=400 timeout 420 "$MPIEXEC" -n 2 python3 -m kvdist bench remote --device "$DEVICE" \
+    --json "$OUT/bench-remote.json" 2>&1 | grep -v "still referenced" | tee -a "$LOG"
+for tp in 1 2; do
+    echo "== bench remote --upkeep, 8 ranks, TP $tp" | tee -a "$LOG"
+    MPIEXEC_TIMEOUT=300 timeout 320 "$MPIEXEC" -n 8 python3 -m kvdist bench remote --upkeep --tp $tp \
+        --steps 500 2>&1 | grep -v "still referenced" | tee -a "$LOG"
+done
