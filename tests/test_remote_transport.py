@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvdist.bench.remote import DetachedSlots
 from kvdist.blocks import GPU, HOST
 from kvdist.distributed.directory import Directory, encode
 from kvdist.distributed.fetch import DONE, LANDED, STALE, Batch
@@ -25,21 +26,6 @@ from .test_cuda_executor_on_cpu import fake_cuda  # noqa: F401  (a fixture)
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="uint8", tokens_per_block=4)
 N = 32
-
-
-class Slots:
-    """The landing side of a cache, reduced to what the transport asks."""
-
-    tokens_per_block = 4
-
-    def __init__(self, executor):
-        self.executor = executor
-
-    def tier_base(self, tier: int) -> int:
-        return 0
-
-    def pending_events(self, slots) -> list:
-        return []
 
 
 @pytest.fixture
@@ -73,7 +59,7 @@ def test_fetch_lands_the_peers_bytes_and_misses_what_it_reused(holder, kind, tie
     executor = _executor(kind, gpu, host)
     copier = PeerCopier(executor, torch.device("cpu"))
     transport = SharedTransport(peer, peer_stamps, {GPU: gpu.raw, HOST: host.raw}, copier,
-                                Slots(executor), {"R1", "R2", "R4"})
+                                DetachedSlots(executor), {"R1", "R2", "R4"})
     try:
         assert copier.cuda == (kind == "cuda") and copier.simulated == (kind == "simulated")
         src = np.array([5, 17, 2, 30, 9], dtype=np.int64)

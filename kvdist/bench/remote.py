@@ -62,7 +62,7 @@ def _layout(size: int) -> KVLayout:
     return KVLayout(1, 1, size // 32, "uint8", 16)  # 2 x 16 tokens x 1 head x size/32 bytes
 
 
-class _Slots:
+class DetachedSlots:
     """The landing side's view of a cache, for transports driven by hand: slots are
     tier-local (base 0), nothing else touches them."""
 
@@ -130,7 +130,7 @@ class Holder:
         self.stamps = SlotStamps(n, path)
         slots = np.arange(n)
         self.stamps.publish(slots, (slots + 1).astype(np.uint64), np.zeros(n, dtype=np.uint64))
-        self.server = MessageTransport(comm, self.pool.raw, self.stamps, _Slots(None), RULES)
+        self.server = MessageTransport(comm, self.pool.raw, self.stamps, DetachedSlots(None), RULES)
 
 
 def run_sizes(args, comm, device: torch.device) -> list[dict]:
@@ -196,7 +196,7 @@ def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
         executor = CudaExecutor(gpu, landing_host, None, device)
     else:
         executor = SyncExecutor(HostCopies(gpu, landing_host, None))
-    slots = _Slots(executor)
+    slots = DetachedSlots(executor)
     out: dict = {"device": str(device), "shm_error": shm_error}
     same_node = holder_node == MPI.Get_processor_name() and host_path is not None
     rounds: dict[str, list[float]] = {}
