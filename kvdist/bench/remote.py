@@ -1,6 +1,7 @@
 """``python -m kvdist bench remote``: fetching blocks from a peer replica, against the
 transport's own ceiling, side by side in one run (``mpiexec -n 2``: rank 0 holds,
-rank 1 fetches; on one node, or on two for the MPI path across nodes).
+rank 1 fetches; ``--fetcher R`` makes rank R fetch, e.g. one on another node for the
+MPI path across nodes).
 
 For each block size, 2,048 blocks scattered over the holder's host tier (slots drawn
 at random) are fetched into slots scattered over the fetcher's landing tier:
@@ -52,6 +53,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="rounds; figures are medians (default 5)")
     p.add_argument("--device", default="auto", help="the fetcher's landing device: auto, cpu, cuda:N")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--fetcher", type=int, default=1,
+                   help="the fetching rank (rank 0 holds); on two nodes pick one on the other node")
     p.add_argument("--upkeep", action="store_true", help="measure directory upkeep instead (any -n)")
     p.add_argument("--steps", type=int, default=300, help="--upkeep: steps per run (default 300)")
     p.add_argument("--tp", type=int, default=2, help="--upkeep: TP ranks per replica (default 2)")
@@ -110,6 +113,14 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _quiet_barrier(comm) -> None:
+    """A barrier that sleeps while it waits: ranks with nothing to do leave the cores
+    to the two that measure."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.001)
+
+
 def _contiguous(dst: torch.Tensor, src: torch.Tensor) -> None:
     """One copy of all the bytes: a DMA into CUDA memory, a memcpy on the host."""
     if dst.device.type == "cuda":
@@ -151,16 +162,16 @@ def run_sizes(args, comm, device: torch.device) -> list[dict]:
         dst = np.sort(rng.choice(cap, n, replace=False))[rng.permutation(n)]
         nbytes = n * size
         row = {"size": name, "blocks": n}
-        if rank == 1:
+        if rank == args.fetcher:
             row.update(_fetcher(args, comm, device, layout, cap, info, src, dst, nbytes))
         else:
             _serve(args, comm, holder, nbytes)
-        comm.Barrier()
+        _quiet_barrier(comm)
         if holder is not None:
             holder.server.close()
             holder.stamps.close()
             holder.pool.close()
-        rows.append(comm.bcast(row if rank == 1 else None, root=1))
+        rows.append(comm.bcast(row if rank == args.fetcher else None, root=args.fetcher))
     return rows
 
 
@@ -171,16 +182,17 @@ def _serve(args, comm, holder: Holder | None, nbytes: int) -> None:
 
     if holder is None:
         return
-    stop = comm.irecv(source=1, tag=99)
+    fetcher = args.fetcher
+    stop = comm.irecv(source=fetcher, tag=99)
     while True:
         done, _ = stop.test()
         if done:
             break
         holder.server.service()
-        if comm.Iprobe(source=1, tag=98):
-            comm.recv(source=1, tag=98)
+        if comm.Iprobe(source=fetcher, tag=98):
+            comm.recv(source=fetcher, tag=98)
             flat = holder.pool.raw.numpy().reshape(-1)[:nbytes]
-            comm.Send([flat, nbytes, MPI.BYTE], dest=1, tag=97)
+            comm.Send([flat, nbytes, MPI.BYTE], dest=fetcher, tag=97)
 
 
 def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
@@ -266,7 +278,7 @@ def main(argv: list[str]) -> int:
             from .remote_upkeep import run_upkeep
 
             return run_upkeep(args, comm)
-        if comm.Get_size() < 2:
+        if comm.Get_size() < 2 or not 0 < args.fetcher < comm.Get_size():
             print("bench remote needs two ranks: mpiexec -n 2 python -m kvdist bench remote")
             return 2
         spec = args.device
@@ -278,8 +290,9 @@ def main(argv: list[str]) -> int:
         nodes = len(set(comm.allgather(MPI.Get_processor_name())))
         if comm.Get_rank() == 0:
             where = rows[0].get("device", "?")
-            print(_report(rows, f"bench remote: rank 1 fetches {args.blocks} scattered blocks from rank 0 "
-                                f"({nodes} node(s)), landing on {where}; medians of {args.rounds} rounds"))
+            print(_report(rows, f"bench remote: rank {args.fetcher} fetches {args.blocks} scattered blocks "
+                                f"from rank 0 ({nodes} node(s)), landing on {where}; medians of "
+                                f"{args.rounds} rounds"))
             for r in rows:
                 if r.get("shm_error"):
                     print(f"{r['size']}: no shared rows: the holder's host tier is not in shared memory "

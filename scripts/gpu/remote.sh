@@ -8,8 +8,11 @@
 #      the MPI path next to one contiguous MPI transfer. DEVICE=cuda:0: both ranks' tiers
 #      on GPU 0 (two replicas sharing one H200); DEVICE=auto on 2+ GPUs: one GPU each;
 #   3. bench remote --upkeep, 8 ranks (8 x TP 1, then 4 x TP 2) on the host's CPU cores:
-#      what the directory and the TP group's agreement add to per-step bookkeeping.
-# From the repo root:  bash scripts/gpu/remote.sh     (about 6 min on one H200)
+#      what the directory and the TP group's agreement add to per-step bookkeeping;
+#   4. where the two-node test bed can be had (root, network namespaces): bench remote
+#      between its nodes (MPI over TCP on a veth pair; CPU landing), against one
+#      contiguous MPI transfer between the same two ranks.
+# From the repo root:  bash scripts/gpu/remote.sh     (about 7 min on one H200)
 set -u
 if [ -d .whl ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,3 +32,7 @@ for tp in 1 2; do
     MPIEXEC_TIMEOUT=300 timeout 320 "$MPIEXEC" -n 8 python3 -m kvdist bench remote --upkeep --tp $tp \
         --steps 500 2>&1 | grep -v "still referenced" | tee -a "$LOG"
 done
+echo "== bench remote across the two-node test bed (exit 77: no bed here)" | tee -a "$LOG"
+timeout 400 python3 -m tests.nodes.testbed -- bash -c "cd $PWD && python3 launch/kvdist-launch -n 4 \
+    --hostfile \$KVDIST_HOSTFILE --ppn 2 bench remote --device cpu --fetcher 2 --blocks 2048" 2>&1 \
+    | grep -v "still referenced" | tee -a "$LOG"
