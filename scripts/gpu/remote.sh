@@ -33,6 +33,6 @@ for tp in 1 2; do
         --steps 500 2>&1 | grep -v "still referenced" | tee -a "$LOG"
 done
 echo "== bench remote across the two-node test bed (exit 77: no bed here)" | tee -a "$LOG"
-timeout 400 python3 -m tests.nodes.testbed -- bash -c "cd $PWD && python3 launch/kvdist-launch -n 4 \
+timeout 400 python3 -m tests.nodes.testbed -- bash -c "cd $PWD && python3 launch/kvdist-launch --python python3 -n 4 \
     --hostfile \$KVDIST_HOSTFILE --ppn 2 bench remote --device cpu --fetcher 2 --blocks 2048" 2>&1 \
     | grep -v "still referenced" | tee -a "$LOG"
