@@ -128,10 +128,12 @@ class KVCache:
                             f"{seq_ids!r} (wrap one id in a list)")
         # Gathered straight into a staging slot, copied from there (S3): later host
         # writes to the scheduler's rows or to the next step's table cannot reach it.
+        # S5 first: where the host is the compute stream (CPU, simulated streams), the
+        # table copy runs the compute work queued before it, which must follow the copies.
         stager = self._stager
-        table = stager.upload_buffer(manager.table_rows(list(seq_ids), stager.host_buffer))
+        rows = manager.table_rows(list(seq_ids), stager.host_buffer)
         manager.before_compute()
-        return table
+        return stager.upload_buffer(rows)
 
     def stage(self, array: np.ndarray, stream=None) -> torch.Tensor:
         """A device copy of ``array`` (gather indices, scratch metadata) that later host

@@ -51,15 +51,19 @@ class _Track:
 class IntegrityDriver:
     """Drives ``cache`` like an engine's forward pass; counts mismatching tokens."""
 
-    def __init__(self, cache: KVCache, overlap: bool = False, salt: int = 0):
+    def __init__(self, cache: KVCache, overlap: bool = False, salt: int = 0, host_reader: bool = False):
         self.cache = cache
         self.salt = salt  # mixed into the pattern: e.g. the TP rank, so shards differ
         # Simulated streams: the forward pass is a 'kernel' on the compute stream, queued
         # behind the table's staging copy. With ``overlap`` it stays queued while the next
         # step is prepared (a scheduler one step ahead of the device) and runs only after
-        # that step's table was staged; otherwise it runs at once.
-        self._compute = cache.simulated_compute
+        # that step's table was staged; otherwise it runs at once. ``host_reader``: the
+        # pass runs on the host as soon as block_table returns, through the public API
+        # only, as a CPU engine's attention does.
+        self._compute = None if host_reader else cache.simulated_compute
         self.overlap = overlap
+        if overlap and self._compute is not None:
+            self._compute.runs_behind = True  # tables too wait on the stream, like the passes
         self._in_flight = None  # the previous step's forward pass, still queued (overlap)
         lay = cache.layout
         self.layers, self.heads, self.dim = lay.num_layers, lay.num_kv_heads, lay.head_dim

@@ -14,8 +14,8 @@ import kvdist.testing
 from kvdist.testing import IntegrityDriver, Seams
 
 
-def churn(cache, steps=240, seed=1, check=True):
-    d = IntegrityDriver(cache)
+def churn(cache, steps=240, seed=1, check=True, host_reader=False):
+    d = IntegrityDriver(cache, host_reader=host_reader)
     rng = random.Random(seed)
     systems = [[rng.randrange(100) for _ in range(12)] for _ in range(3)]
     history = []
@@ -56,6 +56,29 @@ def test_churn_hits_every_tier_with_exact_bytes(cache):
     assert min(s["blocks_moved"][k] for k in ("offload", "onboard", "demote", "fetch")) > 0
     assert d.checked_tokens > 4000
     assert d.mismatched_tokens == 0, d.first_mismatch
+
+
+def test_a_host_reader_gets_complete_tables_under_simulated_streams(cfg_factory):
+    """KVDIST_SIMULATE_ASYNC serves any caller: a CPU engine reads the table and the
+    blocks with plain torch indexing right after block_table (no simulated kernel)."""
+    cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, simulate_async=True))
+    try:
+        d = churn(cache, host_reader=True)
+        s = cache.stats()
+        assert all(s["hit_tokens"][t] > 0 for t in ("gpu", "host", "disk")), s["hit_tokens"]
+        assert d.checked_tokens > 4000
+        assert d.mismatched_tokens == 0, d.first_mismatch
+    finally:
+        cache.close()
+
+
+def test_s5_off_corrupts_a_host_reader_too(cfg_factory):
+    cache = kvdist.testing.create(cfg_factory(gpu=24, host=8, disk=128, simulate_async=True),
+                                  Seams(rules=frozenset({"S2", "S4"})))
+    try:
+        assert churn(cache, check=False, host_reader=True).mismatched_tokens > 0
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("rules,tracking", [

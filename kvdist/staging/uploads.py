@@ -91,9 +91,13 @@ POISON = 0xA5
 
 
 class SimH2D:
-    """The copy as a lazy operation on a simulated stream (``compute`` unless named):
-    it reads the host buffer only when something forces it, so a buffer rewritten
-    before then shows up as wrong bytes (the CPU model of a GPU running behind)."""
+    """The copy as an operation on a simulated stream (``compute`` unless named). On a
+    CPU the host is the compute stream: a CPU engine reads the table as soon as
+    ``block_table`` returns, so the copy runs at once (with whatever it follows) unless
+    that stream is held. A test that holds it keeps the copy queued, reading the host
+    buffer only when something forces it, so a buffer rewritten before then shows up
+    as wrong bytes (the CPU model of a GPU running behind: rule S3's race tests); so
+    does an executor that ``runs_behind``."""
 
     path = "simulated"
     pinned = False
@@ -109,8 +113,10 @@ class SimH2D:
         host = src.numpy()
         dst, arr = _cpu_empty(host)
         arr.view(np.uint8).fill(POISON)
-        op = self.executor.enqueue(self.stream if stream is None else stream,
-                                   lambda: np.copyto(arr, host))
+        name = self.stream if stream is None else stream
+        op = self.executor.enqueue(name, lambda: np.copyto(arr, host))
+        if not (self.executor.streams[name].held or self.executor.runs_behind):
+            self.executor.force(op)
         return dst, op
 
     @staticmethod

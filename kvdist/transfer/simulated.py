@@ -58,6 +58,10 @@ class SimExecutor:
         self.log = log
         self.counters = ExecutorCounters()
         self.simulated_compute = self  # kernel() and force()
+        # Host->device uploads (block tables) run when queued, as a CPU engine that reads
+        # them at once needs, unless their stream is held or the device "runs behind"
+        # (a driver one step ahead of its simulated kernels): then they wait to be forced.
+        self.runs_behind = False
 
     # -- queueing -------------------------------------------------------------------------
     def enqueue(self, stream: str, fn: Callable[[], None], deps: list | None = None) -> SimOp:
