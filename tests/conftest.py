@@ -2,8 +2,19 @@ import copy
 import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+
+MPI_TESTS = Path(__file__).parent / "mpi"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/mpi runs in its own phase, under mpiexec with --with-mpi (``make mpi``): a
+    plain run neither collects nor lists them as skips."""
+    if collection_path == MPI_TESTS and not config.getoption("with_mpi", False):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,30 @@
+"""The MPI phase's own rules: a failure on one rank ends the MPI job within seconds
+(not at MPIEXEC_TIMEOUT), and a plain run does not collect the MPI tests."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def test_a_failure_on_one_rank_aborts_the_mpi_job_at_once():
+    t0 = time.monotonic()
+    r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
+                        "--with-mpi", "-p", "no:cacheprovider", "tests/mpi/failing_demo.py"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MPIEXEC_TIMEOUT": "300"})
+    seconds = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "rank 1 fails on purpose" in out and "aborting the MPI job" in out, out
+    assert seconds < 120, f"the job ran {seconds:.0f} s: it waited for MPIEXEC_TIMEOUT"
+
+
+def test_a_plain_run_does_not_collect_the_mpi_tests():
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "tests/test_api_edges.py::" in r.stdout and "tests/mpi/" not in r.stdout, r.stdout
