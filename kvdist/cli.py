@@ -11,14 +11,23 @@ import importlib
 from . import process
 from .errors import ConfigError
 
+DESCRIPTION = """\
+kvdist, a multi-rank tiered KV cache: run the main job (a serving simulation), the
+benchmarks, or show where each rank runs. Start several ranks with
+launch/kvdist-launch -n 4 run (or under mpiexec); one process runs alone. A config
+or option mistake prints one line naming it and exits with status 2."""
+
 BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus", "drills", "remote")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvdist", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvdist", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="the main job: a serving simulation on the cache")
-    run.add_argument("--config", required=True, help="YAML config (see configs/)")
+    run.add_argument("--config", default="default",
+                     help="a YAML file, or the name of a shipped config: "
+                          f"{', '.join(shipped_configs())} (default: default)")
     run.add_argument("--requests", type=int, default=None, help="override workload.requests")
     run.add_argument("--out", default="runs", help="directory for runs/<UTC time>/ results")
     run.add_argument("--metrics-port", type=int, default=None,
@@ -37,12 +46,36 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def shipped_configs() -> list[str]:
+    """Names of the configs that come with the package (``configs/`` of the repository)."""
+    from importlib import resources
+
+    found = resources.files("kvdist").joinpath("configs").iterdir()
+    return sorted(p.name.removesuffix(".yaml") for p in found if p.name.endswith(".yaml"))
+
+
+def config_path(given: str) -> str:
+    """``given`` if it is a file, else the shipped config of that name; ConfigError if
+    neither exists."""
+    import os
+    from importlib import resources
+
+    if os.path.exists(given) or os.sep in given or given.endswith((".yaml", ".yml")):
+        return given
+    shipped = resources.files("kvdist").joinpath("configs", f"{given}.yaml")
+    if not shipped.is_file():
+        raise ConfigError("--config", given,
+                          f"no such file, nor a shipped config ({', '.join(shipped_configs())})")
+    return str(shipped)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
             from . import sim
 
+            args.config = config_path(args.config)
             return sim.main(args)
         if args.command == "placement":
             from .sim import placement

@@ -311,6 +311,37 @@ def test_prometheus_endpoint_serves_the_latest_snapshot(tmp_path):
         server.close()
 
 
+def test_metrics_listen_on_loopback_by_default_and_counters_are_exact_integers():
+    server = MetricsServer(0)
+    try:
+        assert server._httpd.server_address[0] == "127.0.0.1"  # not the network, unless asked
+        stats = {"block_bytes": 16384, "steps": 3059, "prompt_tokens": 700214, "hit_tokens": {"gpu": 421088},
+                 "blocks_used": {"gpu": 256}, "capacity_blocks": {"gpu": 256},
+                 "blocks_moved": {"offload": 17713, "spill": 3}, "transfer_seconds": 0.1}
+        server.update(snapshot_from(stats, requests_done=1500, mismatches=0))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+        lines = set(body.splitlines())
+        assert 'kvdist_bytes_moved_total{direction="offload"} 290209792' in lines  # not 2.9021e+08
+        assert 'kvdist_bytes_moved_total{direction="spill"} 49152' in lines
+        assert "kvdist_prompt_tokens_total 700214" in lines and "kvdist_transfer_seconds_total 0.1" in lines
+    finally:
+        server.close()
+    from kvdist import cli
+
+    assert cli._parser().parse_args(["run", "--metrics-host", "0.0.0.0"]).metrics_host == "0.0.0.0"
+
+
+def test_readme_documents_every_metric_label_value():
+    """Each label value the endpoint can carry (tiers, copy directions) is in the README."""
+    from kvdist.sim.metrics import MOVES, TIERS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("| metric | labels | what |"):]
+    section = section[: section.index("\n\n")]
+    for value in (*TIERS, *MOVES):
+        assert f"`{value}`" in section, value
+
+
 # -- the shipped configs ------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -335,3 +366,18 @@ def test_multinode_example_is_a_valid_config(tmp_path, monkeypatch):
     monkeypatch.setattr(kvdist.paths, "free_bytes", lambda directory: 1 << 50)  # nor its 128 GiB
     cfg = kvdist.load_config(data)
     assert (cfg.model.num_layers, cfg.model.num_kv_heads, cfg.cache.host.bytes) == (80, 1, "auto")
+
+
+def test_default_config_comment_states_the_working_set_it_makes():
+    """configs/default.yaml says how big its trace's working set is; that must be what
+    the trace gives (the run's header prints the same figures)."""
+    import re
+
+    from kvdist.sim.workload import generate
+
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    said = re.search(r"working set of ([\d,]+) blocks, ([\d.]+)x the GPU", text)
+    assert said, "the comment on the working set is gone"
+    cfg = kvdist.load_config(ROOT / "configs" / "default.yaml")
+    ws = generate(cfg.workload).distinct_blocks(cfg.cache.tokens_per_block)
+    assert (int(said[1].replace(",", "")), said[2]) == (ws, f"{ws / cfg.cache.gpu.blocks:.1f}")
