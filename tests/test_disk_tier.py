@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import subprocess
 
 import numpy as np
@@ -212,3 +213,39 @@ def test_the_file_has_no_name_and_close_is_idempotent(tmp_path):
     d.close()
     d.close()
     assert d.fd is None and files(tmp_path / "made") == []
+
+
+def test_auto_path_is_a_private_per_user_directory(tmp_path, monkeypatch):
+    """``cache.disk.path: auto`` is $TMPDIR/kvdist-<uid>, made mode 0700 when the tier
+    starts (not when the config loads)."""
+    from kvdist import paths
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    private = tmp_path / f"kvdist-{os.getuid()}"
+    assert paths.default_disk_dir() == str(private)
+    d = DiskPool(SMALL, 4, "auto", rank=0)
+    try:
+        st = os.lstat(private)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert files(private) == []
+    finally:
+        d.close()
+
+
+def test_auto_path_refuses_a_planted_symlink_or_another_users_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    private = tmp_path / f"kvdist-{os.getuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o777)
+    private.symlink_to(elsewhere)  # planted by someone else before the first run
+    with pytest.raises(KVDistError, match="is a symlink"):
+        DiskPool(SMALL, 4, "auto", rank=0)
+    assert files(elsewhere) == []
+    private.unlink()
+    private.mkdir(mode=0o755)
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user's needs root")
+    os.chown(private, 12345, 12345)
+    with pytest.raises(KVDistError, match="belongs to uid 12345"):
+        DiskPool(SMALL, 4, "auto", rank=0)
+    assert files(private) == []
