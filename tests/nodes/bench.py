@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from tabulate import tabulate
@@ -48,14 +49,17 @@ def main_job(bed: TwoNodes, flavor: str, two_nodes: bool, requests: int) -> dict
             "cache_us": r["cache_api_us_per_step"], "steps": r["steps"]}
 
 
-def measure(bed: TwoNodes, flavors: list[str], rounds: int, requests: int) -> dict:
-    out: dict = {}
-    for flavor in flavors:
-        for layout, two in LAYOUTS.items():
-            print(f"bench: {flavor}, {layout} ...", file=sys.stderr, flush=True)
-            out[flavor, layout] = {"consensus_ms": consensus_ms(bed, flavor, two, rounds),
-                                   **main_job(bed, flavor, two, requests)}
-    return out
+def measure(bed: TwoNodes, flavors: list[str], rounds: int, requests: int, repeat: int) -> dict:
+    """Per (MPI, layout): the median over ``repeat`` interleaved repetitions of each figure."""
+    runs: dict = {}
+    for i in range(repeat):
+        for flavor in flavors:
+            for layout, two in LAYOUTS.items():
+                print(f"bench: {flavor}, {layout} ({i + 1}/{repeat}) ...", file=sys.stderr, flush=True)
+                figures = {"consensus_ms": consensus_ms(bed, flavor, two, rounds),
+                           **main_job(bed, flavor, two, requests)}
+                runs.setdefault((flavor, layout), []).append(figures)
+    return {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
 
 
 def render(results: dict, flavors: list[str], rounds: int, requests: int) -> str:
@@ -69,7 +73,8 @@ def render(results: dict, flavors: list[str], rounds: int, requests: int) -> str
         for key, label in what.items():
             rows.append([flavor, label, f"{one[key]:.2f}", f"{two[key]:.2f}", f"{two[key] / one[key]:.2f}"])
     head = (f"4 ranks: one node (4) vs two nodes (2 + 2) of the test bed; main job: {requests} requests, "
-            f"{results[flavors[0], 'one node']['steps']} steps")
+            f"{results[flavors[0], 'one node']['steps']:.0f} steps; medians of repetitions interleaved "
+            "one node / two nodes")
     return head + "\n" + tabulate(rows, headers=["MPI", "", "one node", "two nodes", "two / one"])
 
 
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="consensus rounds per layout (default 20)")
     p.add_argument("--requests", type=int, default=60, help="main-job requests per layout (default 60)")
     p.add_argument("--mpi", default="mpich,openmpi", help="comma-separated: mpich, openmpi")
+    p.add_argument("--repeat", type=int, default=1, help="interleaved repetitions; medians shown (default 1)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     flavors = [f for f in args.mpi.split(",") if f]
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     with signals_unwind():
         try:
             bed.up()
-            results = measure(bed, flavors, args.rounds, args.requests)
+            results = measure(bed, flavors, args.rounds, args.requests, args.repeat)
         except BedUnavailable as e:
             print(f"test bed unavailable: {e}", file=sys.stderr)
             return 77
