@@ -8,9 +8,6 @@ import pytest
 
 from tests.nodes import testbed
 
-# What each node's /proc/meminfo shows as available (node b less than node a).
-MEM_AVAILABLE = {"a": 64 << 20, "b": 48 << 20}
-
 
 @pytest.fixture(scope="session")
 def bed():
@@ -20,7 +17,7 @@ def bed():
     testbed.sweep()
     with testbed.signals_unwind():
         try:
-            nodes = testbed.TwoNodes(mem_available=MEM_AVAILABLE).up()
+            nodes = testbed.TwoNodes(mem_available=testbed.MEM_AVAILABLE).up()
         except testbed.BedUnavailable as e:
             pytest.skip(f"two-node test bed: {e}")
         try:

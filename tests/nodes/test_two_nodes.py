@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.nodes import jobs
-from tests.nodes.conftest import MEM_AVAILABLE
 from tests.nodes.testbed import TwoNodes
 
 RANKS = Path(__file__).with_name("ranks_two_nodes.py")
@@ -27,10 +26,7 @@ def launch(bed: TwoNodes, flavor: str, *argv: str) -> subprocess.CompletedProces
     mpiexec = jobs.MPIEXEC[flavor]
     if not mpiexec.exists():
         pytest.skip(f"no {mpiexec.relative_to(jobs.ROOT)}: `make venv` installs MPICH and Open MPI there")
-    env = {"KVDIST_BED_HOSTS": " ".join(n.name for n in bed.nodes),
-           "KVDIST_BED_SCRATCH": str(bed.scratch),
-           "KVDIST_BED_MEM": f"{MEM_AVAILABLE['a']} {MEM_AVAILABLE['b']}"}
-    return jobs.launch(bed, flavor, *argv, env=env)
+    return jobs.launch(bed, flavor, *argv, env=bed.env())
 
 
 def scratch_left(bed: TwoNodes) -> dict[str, list[str]]:
@@ -60,14 +56,10 @@ def test_nodes_are_two_isolated_hosts(bed):
 @FLAVORS
 def test_ranks_on_two_nodes(bed, flavor):
     """Every check of ranks_two_nodes.py passes on all four ranks (none skips); no disk
-    file is left on either node. The replicas' job runs under MPICH only: under Open MPI
-    it takes 30-60 s on this bed (communicator creation across hosts costs it up to a
-    second each, and replica 1 waited out remote misses), too long for `make test`."""
-    only = ["-k", "not replicas"] if flavor == "openmpi" else []  # see the docstring
+    file is left on either node."""
     out = launch(bed, flavor, "--module", "pytest", "--", "-q", "--color=no", "-p", "no:cacheprovider",
-                 "--with-mpi", *only, str(RANKS.relative_to(jobs.ROOT)))
+                 "--with-mpi", str(RANKS.relative_to(jobs.ROOT)))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    tests = len(re.findall(r"^def test_", RANKS.read_text(), flags=re.MULTILINE)) - bool(only)
-    assert re.findall(r"(\d+) passed(?:, \d+ deselected)? in", out.stdout) == [str(tests)] * 4, \
-        out.stdout[-3000:]
+    tests = len(re.findall(r"^def test_", RANKS.read_text(), flags=re.MULTILINE))
+    assert re.findall(r"(\d+) passed in", out.stdout) == [str(tests)] * 4, out.stdout[-3000:]
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}

@@ -18,6 +18,7 @@ its clean-up (SIGKILL) left behind. Needs root, ``ip`` (iproute2), ``unshare`` a
 ``nsenter`` (util-linux).
 
     python -m tests.nodes.testbed -- COMMAND...    # COMMAND on node a, then tear down
+    python -m tests.nodes.testbed --sweep          # remove what killed runs left
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ NODE_SSH = HERE / "node-ssh"
 ROOT_PREFIX = "kvdist-nodes-"
 NAME = re.compile(r"kvn(\d+)[ab]")
 TOOLS = ("ip", "unshare", "nsenter", "mount")
+# What the nodes' /proc/meminfo shows as available in the tests (node b less than node a).
+MEM_AVAILABLE = {"a": 64 << 20, "b": 48 << 20}
 
 
 class BedUnavailable(RuntimeError):
@@ -198,6 +201,15 @@ class TwoNodes:
         return leftovers(self.tag)
 
     # -- running things -----------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """What the bed tells a job (the launcher forwards ``KVDIST_*`` to every rank): the
+        hostfile, the node names, the scratch path, the memory each node's meminfo shows."""
+        mem = [self.mem_available.get(k) for k in "ab"]
+        return {"KVDIST_HOSTFILE": str(self.hostfile),
+                "KVDIST_BED_HOSTS": " ".join(n.name for n in self.nodes),
+                "KVDIST_BED_SCRATCH": str(self.scratch),
+                "KVDIST_BED_MEM": " ".join(map(str, mem)) if None not in mem else ""}
+
     def launcher_env(self) -> dict[str, str]:
         """Environment that makes MPICH's Hydra and Open MPI start remote ranks through the
         bed's ssh, as they would through ssh on a cluster."""
@@ -312,7 +324,9 @@ def signals_unwind() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.nodes.testbed", description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="only remove beds of dead runs")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="run on node a (hostfile: $KVDIST_HOSTFILE)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="run on node a, with $KVDIST_HOSTFILE and the KVDIST_BED_* that "
+                        "tests/nodes/ranks_two_nodes.py reads")
     args = p.parse_args(argv)
     if args.sweep:
         print(f"removed the beds of {sweep() or 'no'} dead run(s); left: {leftovers() or 'nothing'}")
@@ -320,14 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("give a command to run on node a")
-    bed = TwoNodes()
+    bed = TwoNodes(mem_available=MEM_AVAILABLE)
     with signals_unwind():
         try:
             bed.up()
             a = bed.nodes[0]
             print(f"test bed: nodes {', '.join(f'{n.name} ({n.address})' for n in bed.nodes)}, "
                   f"hostfile {bed.hostfile}, scratch {bed.scratch}", file=sys.stderr, flush=True)
-            proc = bed.popen(a, command, {"KVDIST_HOSTFILE": str(bed.hostfile)})
+            proc = bed.popen(a, command, bed.env())
             try:
                 return proc.wait()
             except KeyboardInterrupt:
