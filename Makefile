@@ -76,6 +76,7 @@ gpu-test: gpu-check
 gpu-bench: export TQDM_DISABLE := 1
 gpu-bench: gpu-check
 	$(GPU_PY) -m kvdist bench transfer
+	$(GPU_PY) -m kvdist bench layerwise
 	$(GPU_PY) -m kvdist bench staging
 	$(GPU_PY) -m kvdist bench pin --repeat 2
 

@@ -57,13 +57,15 @@ def make_backend(cfg: CacheConfig, device: torch.device, gpu: GpuPool, host: Hos
     """The executor and upload path for a cache on ``device`` over these pools.
     ``copy_path`` forces the CUDA copy path (else ``KVDIST_COPY_PATH``, else the fastest);
     ``log`` records every submitted batch (tests)."""
+    groups = gpu.layout.layer_groups(cfg.cache.layer_groups)  # copied by layer group (S5 per layer)
     if device.type == "cuda":
         from .transfer.cuda import CudaExecutor
 
-        executor = CudaExecutor(gpu, host, disk, device, path=copy_path or copy_path_override(), log=log)
+        executor = CudaExecutor(gpu, host, disk, device, path=copy_path or copy_path_override(), log=log,
+                                groups=groups)
         return CopyBackend(executor, CudaH2D(device))
     copies = HostCopies(gpu, host, disk)
     if simulate_async(cfg):
-        sim = SimExecutor(copies, log=log)
+        sim = SimExecutor(copies, log=log, groups=groups)
         return CopyBackend(sim, SimH2D(sim))
     return CopyBackend(SyncExecutor(copies, log=log), ImmediateH2D())

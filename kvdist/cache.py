@@ -143,8 +143,12 @@ class KVCache:
 
     def kv_pool(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks, 2, tokens_per_block, kv_heads, head_dim]``: K at index 0 of
-        dim 1, V at index 1."""
-        return self._parts.gpu.kv_pool(layer)
+        dim 1, V at index 1. With copies by layer group (``cache.layer_groups`` > 1)
+        this is where the compute stream waits for the step's copies of that layer
+        (rule S5 per layer): take each layer's pool in the step that reads it."""
+        pool = self._parts.gpu.kv_pool(layer)  # raises IndexError for a layer out of range
+        self._live().before_layer(layer)
+        return pool
 
     def end_step(self) -> None:
         """Blocks filled in this step become reusable."""
@@ -155,8 +159,18 @@ class KVCache:
         manager.end_step()
         if self._remote is not None:
             self._remote.end_step()
+        policy = manager.policy
+        if policy.enabled and len(self.tiers) > 1:
+            # Timing-dependent figures differ per rank: decide from the TP group's (MIN).
+            policy.agree(self._replicas.tp.allreduce_min(policy.local_figures(), "fetch policy figures"))
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds`` (a step's forward
+        pass, device time included): the recompute side of the fetch-or-recompute
+        decision (``cache.recompute_when_faster``). Local; agreed at ``end_step``."""
+        self._live().policy.observe_prefill(tokens, seconds)
 
     def _live(self):
         if self._closed:
@@ -252,6 +266,10 @@ class KVCache:
             # a host slot a demotion is still reading): CUDA executor only.
             "host_waits_on_disk": waits.host_waits,
             "host_wait_seconds": waits.host_wait_seconds,
+            # The compute stream stood still waiting for tier copies (S5).
+            "compute_wait_seconds": executor.compute_wait_seconds,
+            # Cold hits onboarded vs recomputed because that was faster (fetch_policy).
+            "fetch_policy": m.policy.stats(m.has_tier),
             "staging": self._stager.stats(),
             "sequences": len(m.seqs),
             "consistency_checks": self._checks_passed,

@@ -148,7 +148,7 @@ def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: to
         if disk_n:
             d = cfg.cache.disk
             local.disk = DiskPool(layout, disk_n, d.path, rank, io_threads=d.io_threads,
-                                  o_direct=d.o_direct)
+                                  o_direct=d.o_direct, max_read_bytes_per_s=d.max_read_bytes_per_s)
         local.backend = make_backend(cfg, device, local.gpu, local.host, local.disk,
                                      copy_path=seams.copy_path, log=seams.batch_log)
         local.manager = CacheManager(
@@ -156,7 +156,8 @@ def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: to
             enable_reuse=cfg.cache.enable_reuse,
             offload_min_priority=cfg.cache.offload_min_priority,
             demote_ahead=int(cfg.cache.disk.demote_ahead * host_n),
-            engine_seams=seams.engine_seams(), table_rows=seams.table_rows)
+            engine_seams=seams.engine_seams(), table_rows=seams.table_rows,
+            recompute_when_faster=cfg.cache.recompute_when_faster)
         local.stager = Stager(local.backend.upload, protect=seams.protect_staging)
         seams.rank_cache = local
         return local

@@ -17,7 +17,8 @@ benchmarks, or show where each rank runs. Start several ranks with
 launch/kvdist-launch -n 4 run (or under mpiexec); one process runs alone. A config
 or option mistake prints one line naming it and exits with status 2."""
 
-BENCHES = ("manager", "scale", "transfer", "staging", "pin", "disk", "consensus", "drills", "remote")
+BENCHES = ("manager", "scale", "transfer", "layerwise", "staging", "pin", "disk", "consensus", "drills",
+           "remote")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="interface the metrics listen on (default 127.0.0.1, this machine only; "
                           "0.0.0.0 opens them to the network)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                     help="serve the trace in real time once with all tiers, once with the GPU tier only "
+                          "and once without reuse, and compare latencies (default: on when the cache is "
+                          "on CUDA)")
+    run.add_argument("--rate", type=float, default=None,
+                     help="override workload.request_rate (requests/s of a --compare run)")
+    run.add_argument("--configs", default="all-tiers,gpu-only,no-reuse",
+                     help="configurations compared, comma-separated (default: all three)")
     bench = sub.add_parser("bench", help="benchmarks that print figures side by side")
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")

@@ -100,6 +100,9 @@ class DiskTierConfig(_Section):
     # Share of the host tier end_step keeps free by demoting its coldest blocks: an
     # offload then lands in a slot no disk write is still reading (no host wait).
     demote_ahead: float = Field(default=0.05, ge=0, lt=1)
+    # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
+    # a slow disk, e.g. to watch the fetch-or-recompute policy turn it down.
+    max_read_bytes_per_s: Size = 0
 
     @field_validator("path")
     @classmethod
@@ -115,7 +118,17 @@ class CacheSection(_Section):
     disk: DiskTierConfig = DiskTierConfig()
     enable_reuse: bool = True
     offload_min_priority: int = Field(default=0, ge=0, le=100)
+    # Onboard a host or disk hit only when its expected copy time (bytes / the tier's
+    # measured bandwidth) is below the expected time to recompute it (measured prefill
+    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Fetch or recompute".
+    recompute_when_faster: bool = True
     simulate_async: bool = False
+    # Copies between the GPU and the host tier go in this many groups of consecutive
+    # layers, layer 0's first, each with its own event; compute waits for a group only
+    # when it first reads one of its layers (kv_pool). 1: the whole step waits at
+    # block_table. Clamped to model.num_layers. 16 by bench layerwise on the H200
+    # (README: Layer by layer): the wait falls to 6% of the whole step's, copies at full rate.
+    layer_groups: int = Field(default=16, gt=0)
 
     @field_validator("tokens_per_block")
     @classmethod
@@ -179,8 +192,13 @@ class WorkloadConfig(_Section):
     max_batch: int = Field(default=16, gt=0)  # sequences per step (prefills + decodes)
     max_prefill_tokens: int = Field(default=2048, gt=0)  # prompt tokens admitted per step
     priority: int = Field(default=35, ge=0, le=100)
-    vocab_size: int = Field(default=512, gt=1, le=1 << 20)  # the tiny model keeps vocab x hidden floats
-    hidden: int = Field(default=64, gt=0, le=8192)  # the tiny model's width
+    vocab_size: int = Field(default=512, gt=1, le=1 << 20)  # the model keeps vocab x hidden weights
+    hidden: int = Field(default=64, gt=0, le=8192)  # the model's width
+    q_per_kv: int = Field(default=1, gt=0)  # query heads per K/V head (grouped-query attention)
+    ffn_hidden: int = Field(default=0, ge=0)  # SwiGLU MLP width (global); 0 = 4 x hidden
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA
+    # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
+    request_rate: float = Field(default=2.0, gt=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
 
 

@@ -17,6 +17,18 @@ from .dtypes import ITEMSIZE
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroups:
+    """Byte ranges of a block, one per group of consecutive layers, layer 0's first;
+    ``group_of[layer]`` is the group a layer's K/V is in."""
+
+    spans: tuple[tuple[int, int], ...]
+    group_of: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int
     num_kv_heads: int
@@ -52,6 +64,18 @@ class KVLayout:
 
     def blocks_in(self, nbytes: int) -> int:
         return nbytes // self.bytes_per_block
+
+    def layer_groups(self, groups: int) -> LayerGroups:
+        """The block cut into ``groups`` runs of consecutive layers (at most one per
+        layer), as equal as they can be: what a layer-by-layer copy moves at a time."""
+        groups = max(1, min(groups, self.num_layers))
+        sizes = [self.num_layers // groups + (g < self.num_layers % groups) for g in range(groups)]
+        spans, group_of, first = [], [], 0
+        for g, n in enumerate(sizes):
+            spans.append((first * self.bytes_per_layer, (first + n) * self.bytes_per_layer))
+            group_of += [g] * n
+            first += n
+        return LayerGroups(tuple(spans), tuple(group_of))
 
     def hash_salt(self) -> bytes:
         """16 bytes that seed every block hash chain: caches of different geometry or

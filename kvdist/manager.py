@@ -42,6 +42,7 @@ from .blocks import (
 )
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
+from .fetch_policy import FetchPolicy
 from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
@@ -103,10 +104,12 @@ class CacheManager:
 
     def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor: Executor, *,
                  enable_reuse: bool = True, offload_min_priority: int = 0, demote_ahead: int = 0,
-                 engine_seams: EngineSeams | None = None, table_rows: int = DEFAULT_ROWS):
+                 engine_seams: EngineSeams | None = None, table_rows: int = DEFAULT_ROWS,
+                 recompute_when_faster: bool = True):
         assert capacity[GPU] > 0, "the GPU tier needs at least one block"
         self.layout = layout
         self.tpb = layout.tokens_per_block
+        self.layered = executor.layered  # S5 per layer (kv_pool) rather than at block_table
         self.space = SlotSpace(capacity)
         self.meta = BlockMeta(self.space.total)
         self.free = [FreeStack(self.space.base[t], capacity[t]) if capacity[t] else None
@@ -119,6 +122,7 @@ class CacheManager:
         self.offload_min_priority = offload_min_priority
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
         self.salt = layout.hash_salt()
+        self.policy = FetchPolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
         self.seqs: dict[Hashable, Sequence] = {}
         self.host_table = TableRows(rows=table_rows)  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
@@ -299,9 +303,16 @@ class CacheManager:
         else:
             hashes = []
         gpu_end = space.base[HOST]
+        on_gpu = sum(s < gpu_end for s in hits)
+        cold: list[int] | None = None  # the hits' tiers, when some are not on the GPU
+        if on_gpu < len(hits):
+            cold = [GPU if s < gpu_end else space.tier_of(s) for s in hits]
+            hits = hits[: self.policy.cut(cold)]  # fetch or recompute
         on_gpu, need, available = self.gpu_budget(hits, n_blocks)
         if need > available:
             raise OutOfBlocksError(need, available, f"sequence {seq_id!r} ({n} tokens)")
+        if cold is not None:
+            self.policy.record(cold, len(hits))
         ref, prio = meta.ref_mv, meta.prio_mv
         lru_gpu = self.lru[GPU]
         # Pin every hit first, so the cascade below cannot evict them.
@@ -373,10 +384,16 @@ class CacheManager:
         return self.host_table.gather(rows, width, out)
 
     def before_compute(self) -> None:
-        """S5: every queued copy is submitted and compute waits for it."""
+        """S5: every queued copy is submitted and compute waits for it (layer by layer,
+        in ``before_layer``, when copies go by layer group)."""
         t0 = time.perf_counter()
-        self.engine.before_compute()
+        self.engine.before_compute(layered=self.layered)
         self.transfer_seconds += time.perf_counter() - t0
+
+    def before_layer(self, layer: int) -> None:
+        """S5 for one layer: compute waits for the copies of that layer's group."""
+        if self.layered:
+            self.engine.before_layer(layer)
 
     def end_step(self) -> None:
         """Blocks filled in this step enter the prefix index; deferred releases run."""
@@ -390,6 +407,8 @@ class CacheManager:
         for seq in self._deferred_release:
             self._free_blocks(seq)
         self._deferred_release.clear()
+        for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, fetches
+            self.policy.observe_copy(copied.src, nbytes, seconds)
         if len(self.free[HOST] or ()) < self.demote_ahead:
             # Writes start now and run during the next forward pass, so the next
             # step's offloads land in host slots no disk write is still reading.

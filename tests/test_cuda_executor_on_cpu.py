@@ -27,10 +27,17 @@ from kvdist.transfer import cuda as cuda_executor
 
 from .test_transfer_engine import _queue, _random_moves
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="uint8", tokens_per_block=4)
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=1, head_dim=4, dtype="uint8", tokens_per_block=4)
 
 
 class FakeEvent:
+    def __init__(self, enable_timing: bool = False):
+        self.timing = enable_timing
+
+    def elapsed_time(self, end) -> float:
+        assert self.timing and end.timing, "elapsed_time between events without timing"
+        return 0.5
+
     def record(self, stream=None) -> None:
         self.recorded = True
 
@@ -120,7 +127,7 @@ def tiers(fake_cuda, tmp_path):
     slow disk I/O, and a CUDA executor over them; returns (pools, executor, content)."""
     made = []
 
-    def make(caps: tuple[int, int, int], delay_s: float | None = None, seed: int = 0):
+    def make(caps: tuple[int, int, int], delay_s: float | None = None, seed: int = 0, groups: int = 1):
         gpu = GpuPool(LAYOUT, caps[0], torch.device("cpu"))
         host = HostPool(LAYOUT, caps[1], pin=False)
         disk = DiskPool(LAYOUT, caps[2], str(tmp_path), 0, io_threads=2)
@@ -129,7 +136,8 @@ def tiers(fake_cuda, tmp_path):
         host.raw[:] = torch.stack([_pattern(t) for t in content[caps[0]: caps[0] + caps[1]]])
         disk.write_blocks(list(range(caps[2])), [_pattern(t) for t in content[caps[0] + caps[1]:]])
         _slow(disk, seed, delay_s)
-        ex = cuda_executor.CudaExecutor(gpu, host, disk, torch.device("cpu"), disk_threads=2)
+        ex = cuda_executor.CudaExecutor(gpu, host, disk, torch.device("cpu"), disk_threads=2,
+                                        groups=LAYOUT.layer_groups(groups))
         made.append((ex, disk, host))
         return (gpu, host, disk), ex, content
     yield make
@@ -169,12 +177,13 @@ def test_a_write_waits_for_a_demotion_behind_a_second_read(tiers):
     assert ex.counters.host_waits >= 1  # the onboard's wait for the demotion
 
 
+@pytest.mark.parametrize("groups", [1, 4], ids=["whole", "by-layer"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed):
+def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed, groups):
     rng = np.random.default_rng(seed)
     caps = (12, 16, 8)
     space = SlotSpace(caps)
-    pools, ex, content = tiers(caps, seed=seed)
+    pools, ex, content = tiers(caps, seed=seed, groups=groups)
     engine = TransferEngine(space, ex)
     for _step in range(30):
         engine.begin_step()
@@ -183,7 +192,9 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed):
             for _, s, d in moves:
                 content[d] = content[s]
             _queue(engine, moves, bulk=rng.random() < 0.5)
-        engine.before_compute()
+        engine.before_compute(layered=ex.layered)
+        for layer in range(LAYOUT.num_layers):  # S5 layer by layer: a fetch's GPU half lands here
+            engine.before_layer(layer)
         engine.check_invariants()
     engine.synchronize()
     wrong = _wrong(space, pools, content)

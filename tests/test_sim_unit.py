@@ -15,10 +15,11 @@ import kvdist
 from kvdist.candidate import plan_capacity
 from kvdist.config import WorkloadConfig
 from kvdist.layout import KVLayout
+from kvdist.sim.clock import Latencies
 from kvdist.sim.driver import RunOptions, Simulation, run
 from kvdist.sim.integrity import BlockLedger
 from kvdist.sim.metrics import MetricsServer, snapshot_from
-from kvdist.sim.model import Segment, TinyModel
+from kvdist.sim.model import Decoder, Geometry, Segment
 from kvdist.sim.parallel import TensorParallel
 from kvdist.sim.report import REQUIRED_KEYS
 from kvdist.sim.scheduler import Scheduler
@@ -35,7 +36,8 @@ def sim_cfg(tmp_path, **workload):
     return kvdist.load_config(make_cfg(
         model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
-               "disk": {"path": str(tmp_path / "disk"), "bytes": 400 * 1024}},
+               "disk": {"path": str(tmp_path / "disk"), "bytes": 400 * 1024},
+               "recompute_when_faster": False},  # measured timings would make reuse vary
         distributed={"check_consistency_every": 7}, workload={**W, **workload}))
 
 
@@ -143,9 +145,9 @@ def test_cached_forward_equals_a_from_scratch_recompute(tmp_path):
     tp = TensorParallel()
     try:
         lay = cache.layout
-        model = TinyModel(layers=lay.num_layers, heads=lay.num_kv_heads, head_dim=lay.head_dim, hidden=32,
-                          vocab=97, seed=1, tp=tp, device=cache.device, kv_dtype=torch.float32,
-                          tokens_per_block=lay.tokens_per_block)
+        g = Geometry(lay.num_layers, lay.num_kv_heads, lay.head_dim, q_per_kv=2, hidden=32, ffn=48, vocab=97)
+        model = Decoder(g, seed=1, tp=tp, device=cache.device, kv_dtype=torch.float32,
+                        compute_dtype=torch.float32, tokens_per_block=lay.tokens_per_block)
         rng = np.random.default_rng(0)
         a = rng.integers(0, 97, 23).astype(np.int32)
         b = rng.integers(0, 97, 9).astype(np.int32)
@@ -381,3 +383,49 @@ def test_default_config_comment_states_the_working_set_it_makes():
     cfg = kvdist.load_config(ROOT / "configs" / "default.yaml")
     ws = generate(cfg.workload).distinct_blocks(cfg.cache.tokens_per_block)
     assert (int(said[1].replace(",", "")), said[2]) == (ws, f"{ws / cfg.cache.gpu.blocks:.1f}")
+
+
+# -- run --compare: the trace in real time, once per configuration ----------------------------
+def test_compare_serves_the_trace_three_times_in_real_time(tmp_path):
+    from kvdist.sim.compare import CONFIGS, run_compare
+
+    cfg = sim_cfg(tmp_path, requests=40, request_rate=200.0)
+    r = run_compare(cfg, RunOptions(out=str(tmp_path / "runs"), progress=False))
+    assert r["ok"] and list(r["runs"]) == ["all-tiers", "gpu-only", "no-reuse"]
+    assert set(r["runs"]) < set(CONFIGS)
+    tiers, gpu, none = (r["runs"][n] for n in ("all-tiers", "gpu-only", "no-reuse"))
+    assert tiers["tiers"] == ["gpu", "host", "disk"] and gpu["tiers"] == none["tiers"] == ["gpu"]
+    assert tiers["capacity_blocks"]["gpu"] == gpu["capacity_blocks"]["gpu"] == none["capacity_blocks"]["gpu"]
+    assert none["reused_tokens"] == {"gpu": 0} and gpu["reused_tokens"]["gpu"] > 0
+    assert sum(tiers["reused_tokens"].values()) > gpu["reused_tokens"]["gpu"]
+    for run_ in r["runs"].values():
+        lat = run_["latency"]
+        assert run_["requests"] == lat["requests"] == 40 and len(lat["ttft_s"]) == 40
+        t = lat["ttft_ms"]
+        assert min(lat["ttft_s"]) > 0 and t["p50"] <= t["p90"] <= t["p99"]
+        assert 0 < lat["busy_fraction"] <= 1 and lat["requests_per_s"] > 0
+        assert run_["integrity_mismatches"] == 0 and run_["integrity"]["logits_failed"] == 0
+    q = r["all_tiers_vs_gpu_only"]
+    assert q["ttft_p50"] == tiers["latency"]["ttft_ms"]["p50"] / gpu["latency"]["ttft_ms"]["p50"]
+    latest = tmp_path / "runs" / "latest"
+    saved = json.loads((latest / "results.json").read_text())
+    assert all(k in saved for k in REQUIRED_KEYS) and saved["request_rate"] == 200.0
+    assert (latest / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_real_time_arrivals_wait_for_the_clock_and_the_previous_turn():
+    w = WorkloadConfig(**{**W, "requests": 30, "request_rate": 50.0})
+    trace = generate(w)
+    gaps = np.diff([0.0] + [r.arrival_s for r in trace.requests])
+    assert (gaps > 0).all() and 0.005 < gaps.mean() < 0.05  # exponential at 50/s
+    sched = Scheduler(trace, max_batch=w.max_batch, max_prefill_tokens=w.max_prefill_tokens,
+                      gpu_blocks=40, tokens_per_block=4)
+    first = trace.requests[0].arrival_s
+    assert sched.next_step(first / 2) is None and sched.next_arrival() == first
+    plan = sched.next_step(first)
+    assert [run.req.rid for run in plan.prefills] == [r.rid for r in trace.requests if r.arrival_s <= first]
+    lat = Latencies()
+    follow = next(r for r in trace.requests if r.after == 0)
+    lat.finish[0] = follow.arrival_s + 1.0  # the previous turn finished after the next one 'arrived'
+    lat.admitted(follow)
+    assert lat.arrival[follow.rid] == follow.arrival_s + 1.0

@@ -83,7 +83,9 @@ class CudaHarness:
 
 def _run(cfg_factory, name: str, rule_on: bool, path: str | None) -> tuple[dict, dict, CudaHarness]:
     fn, (gpu, host), right, (rules_off, tracking_off) = SCENARIOS[name]
-    cfg = cfg_factory(gpu=gpu, host=host, device="cuda")
+    # Whole-step S5, as these scenarios were written for; waits by layer group have their
+    # own gated test (test_layerwise_cuda.py).
+    cfg = cfg_factory(gpu=gpu, host=host, device="cuda", layer_groups=1)
     rules, tracking = (ALL_RULES, "slot") if rule_on else (rules_off, tracking_off)
     h = CudaHarness(cfg, rules, tracking, path)
     try:

@@ -354,9 +354,13 @@ class _SimHarness4(SimHarness):
         return True
 
 
-def _run_sim(cfg_factory, name: str, rule_on: bool) -> tuple[dict, dict]:
+def _run_sim(cfg_factory, name: str, rule_on: bool, layer_groups: int = 1) -> tuple[dict, dict]:
+    """The rule-off cases run with whole-step S5 (``layer_groups`` 1): the simulated
+    streams run copies as late as the rules allow, and a missing S2 or S4 wait shows
+    when S5 forces a whole step's copies at once, latest first. Waits by layer group
+    have their own race tests (test_layerwise.py)."""
     fn, (gpu, host), right, (rules_off, tracking_off) = SCENARIOS[name]
-    cfg = cfg_factory(gpu=gpu, host=host, simulate_async=True)
+    cfg = cfg_factory(gpu=gpu, host=host, simulate_async=True, layer_groups=layer_groups)
     h = _SimHarness4(cfg, *((ALL_RULES, "slot") if rule_on else (rules_off, tracking_off)))
     try:
         return fn(h), right
@@ -364,9 +368,10 @@ def _run_sim(cfg_factory, name: str, rule_on: bool) -> tuple[dict, dict]:
         h.close()
 
 
+@pytest.mark.parametrize("layer_groups", [1, 2], ids=["whole-step", "by-layer"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario_exact_bytes_with_the_rule(cfg_factory, name):
-    got, right = _run_sim(cfg_factory, name, rule_on=True)
+def test_scenario_exact_bytes_with_the_rule(cfg_factory, name, layer_groups):
+    got, right = _run_sim(cfg_factory, name, rule_on=True, layer_groups=layer_groups)
     assert got == right
 
 

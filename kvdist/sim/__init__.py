@@ -1,9 +1,11 @@
 """The main job, ``python -m kvdist run``: a multi-rank serving simulation on the cache.
 
 Every rank runs the same seeded scheduler over a synthetic chat workload, drives its
-cache step by step, computes K/V with a tiny tensor-parallel model that reads them
-back through ``block_table``/``kv_pool``, verifies every reused block and a sample of
-logits, and rank 0 reports what happened (tables, ``runs/<UTC time>/``, plots)."""
+cache step by step, computes K/V with a tensor-parallel model that reads them back
+through ``block_table``/``kv_pool``, verifies every reused block and a sample of
+logits, and rank 0 reports what happened (tables, ``runs/<UTC time>/``, plots).
+``--compare`` (the default where the cache is on CUDA) serves the trace in real time
+once per configuration and compares the latencies (``compare``)."""
 
 from __future__ import annotations
 
@@ -21,15 +23,31 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)  # first: a config mistake is reported before torch loads
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port", args.metrics_port, "a TCP port is 1..65535")
+    if args.rate is not None:
+        cfg = cfg.replace(workload={"request_rate": args.rate})
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
     from .driver import RunOptions, StartupFailed, run
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
-                      metrics_host=args.metrics_host, progress=not args.quiet)
+                      metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
+                      configs=configs)
+    if opts.compare is None:
+        import torch
+
+        opts.compare = cfg.cache.device != "cpu" and torch.cuda.is_available()
     try:
-        results = run(cfg, opts)
+        if opts.compare:
+            from .compare import CONFIGS, run_compare
+
+            if not configs or any(c not in CONFIGS for c in configs):
+                raise ConfigError("--configs", args.configs,
+                                  f"name configurations among {', '.join(CONFIGS)}")
+            results = run_compare(cfg, opts)
+        else:
+            results = run(cfg, opts)
     except process.Interrupted as e:
         process.say(e.line())
         return e.exit_code

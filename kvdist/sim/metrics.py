@@ -23,14 +23,16 @@ class Timeline:
     moved: dict[str, list[int]] = field(default_factory=lambda: {m: [] for m in MOVES})  # blocks
     finished: list[int] = field(default_factory=list)
 
-    def record(self, stats: dict, gpu_only_reused: int, finished: int) -> None:
+    def record(self, stats: dict, gpu_only_reused: int | None, finished: int) -> None:
+        """One step's counters; ``gpu_only_reused`` from the replay (None: no replay)."""
         self.prompt_tokens.append(stats["prompt_tokens"])
         for t in TIERS:
             self.reused[t].append(stats["hit_tokens"].get(t, 0))
             self.used[t].append(stats["blocks_used"].get(t, 0))
         for m in MOVES:
             self.moved[m].append(stats["blocks_moved"].get(m, 0))
-        self.reused_gpu_only.append(gpu_only_reused)
+        if gpu_only_reused is not None:
+            self.reused_gpu_only.append(gpu_only_reused)
         self.finished.append(finished)
 
     @property

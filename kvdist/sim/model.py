@@ -1,24 +1,35 @@
-"""A tiny tensor-parallel decoder with random seeded weights: real K/V for the cache.
+"""The simulation's tensor-parallel decoder with random seeded weights: real K/V for
+the cache, and on the GPU the real cost of a prefill.
 
-Every layer is a parallel block (``x + attention(norm(x)) + mlp(norm(x))``) with
-rotary positions. The global model has ``model.num_kv_heads × world size`` heads;
-its weights are drawn from the seed on every rank and each rank keeps the slice of
-its own heads (and of the MLP), Megatron style, so a rank's cache holds exactly its
-heads' K/V. A layer's partial outputs are summed over the ranks with one allreduce.
+The geometry is the config's (``Geometry.from_config``): ``model.num_layers`` layers,
+``model.num_kv_heads`` K/V heads per rank of ``model.head_dim``, ``workload.q_per_kv``
+query heads per K/V head (grouped-query attention), ``workload.hidden`` wide, a
+SwiGLU MLP of ``workload.ffn_hidden`` (split over the ranks), ``workload.vocab_size``
+tokens. configs/h200.yaml is Llama-3-8B's geometry; configs/default.yaml a tiny one.
+Every layer is a parallel block (``x + attention(norm(x)) + mlp(norm(x))``: one
+allreduce per layer) with rotary positions. The weights are drawn at global size from
+the seed on the model's device, and each rank keeps the slice of its own heads and of
+the MLP (Megatron style), so a rank's cache holds exactly its heads' K/V.
 
-Compute is float32; K/V are stored in the cache's dtype and attention reads them back
-from ``kv_pool`` through ``block_table`` — the reference recompute rounds K/V the same
-way, so both paths see identical K/V inputs."""
+Matmuls run in the compute dtype (float32 on CPU, bfloat16 on CUDA by default), the
+residual stream in float32. K/V are stored in the cache's dtype and attention reads
+them back from ``kv_pool`` through ``block_table`` (``attention``); the reference
+recompute rounds K/V the same way, so both paths see identical K/V inputs."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import CacheConfig
+from .attention import PagedAttention, flash_available, plan_keys
 from .parallel import TensorParallel
+
+log = logging.getLogger("kvdist.sim")
 
 
 @dataclass(slots=True)
@@ -35,42 +46,79 @@ class Segment:
         return self.start + len(self.tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    layers: int
+    kv_heads: int  # per rank
+    head_dim: int
+    q_per_kv: int
+    hidden: int
+    ffn: int  # global; split over the ranks
+    vocab: int
+
+    @classmethod
+    def from_config(cls, cfg: CacheConfig) -> Geometry:
+        m, w = cfg.model, cfg.workload
+        return cls(m.num_layers, m.num_kv_heads, m.head_dim, w.q_per_kv, w.hidden,
+                   w.ffn_hidden or 4 * w.hidden, w.vocab_size)
+
+    def params(self, ranks: int) -> int:
+        """Weights of the global model (the embedding doubles as the output head)."""
+        qkv = self.hidden * (self.q_per_kv + 2) * self.kv_heads * ranks * self.head_dim
+        wo = self.q_per_kv * self.kv_heads * ranks * self.head_dim * self.hidden
+        return self.layers * (qkv + wo + 3 * self.hidden * self.ffn) + self.vocab * self.hidden
+
+    def describe(self, ranks: int) -> str:
+        kv = self.kv_heads * ranks
+        return (f"{self.layers} layers, {self.q_per_kv * kv} query / {kv} K/V heads "
+                f"({self.kv_heads} per rank) x {self.head_dim}, hidden {self.hidden}, MLP {self.ffn}, "
+                f"vocab {self.vocab}; "
+                f"{self.params(ranks) / 1e9:.2f} B parameters")
+
+
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-class TinyModel:
-    """``layers`` decoder layers over ``heads`` K/V heads of this rank (MHA)."""
+def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
 
-    def __init__(self, *, layers: int, heads: int, head_dim: int, hidden: int, vocab: int,
-                 seed: int, tp: TensorParallel, device: torch.device, kv_dtype: torch.dtype,
-                 tokens_per_block: int):
-        self.L, self.H, self.D = layers, heads, head_dim
-        self.tp, self.device, self.kv_dtype = tp, device, kv_dtype
+
+class Decoder:
+    """The rank's part of the model; ``forward_cached`` is the serving path."""
+
+    def __init__(self, g: Geometry, *, seed: int, tp: TensorParallel, device: torch.device,
+                 kv_dtype: torch.dtype, compute_dtype: torch.dtype, tokens_per_block: int):
+        self.g, self.L, self.H, self.D = g, g.layers, g.kv_heads, g.head_dim
+        self.Hq = g.q_per_kv * g.kv_heads
+        self.tp, self.device, self.kv_dtype, self.cdt = tp, device, kv_dtype, compute_dtype
         self.tpb = tokens_per_block
-        total_heads = heads * tp.size
-        mine = slice(tp.rank * heads, (tp.rank + 1) * heads)
-        ffn = 4 * hidden
-        ffn_mine = np.array_split(np.arange(ffn), tp.size)[tp.rank]
+        kernel = "flash" if flash_available(device, compute_dtype) else "sdpa"
+        self.attention = PagedAttention(kv_heads=self.H, head_dim=self.D, kernel=kernel)
+        H, D, r = self.H, self.D, tp.rank
+        total_kv = H * tp.size
+        ffn_mine = np.array_split(np.arange(g.ffn), tp.size)[tp.rank]
         f_lo, f_hi = int(ffn_mine[0]), int(ffn_mine[-1]) + 1
-        g = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
 
         def randn(*shape: int, fan_in: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) / fan_in**0.5
+            # Drawn at global size on every rank (same seed, same device type), scaled in place.
+            return torch.randn(*shape, generator=gen, device=device, dtype=compute_dtype).mul_(fan_in**-0.5)
 
-        # Drawn at global size on every rank, so every rank slices one and the same model.
-        self.embed = torch.randn(vocab, hidden, generator=g).to(device)
-        self.wqkv, self.wo, self.w1, self.w2 = [], [], [], []
-        for _ in range(layers):
-            qkv = randn(hidden, 3, total_heads, head_dim, fan_in=hidden)[:, :, mine]
-            wo = randn(total_heads, head_dim, hidden, fan_in=total_heads * head_dim)[mine]
-            w1 = randn(hidden, ffn, fan_in=hidden)[:, f_lo:f_hi]
-            w2 = randn(ffn, hidden, fan_in=ffn)[f_lo:f_hi]
-            self.wqkv.append(qkv.reshape(hidden, 3 * heads * head_dim).contiguous().to(device))
-            self.wo.append(wo.reshape(heads * head_dim, hidden).contiguous().to(device))
-            self.w1.append(w1.contiguous().to(device))
-            self.w2.append(w2.contiguous().to(device))
-        half = head_dim // 2
+        self.embed = randn(g.vocab, g.hidden, fan_in=1)
+        self.wqkv, self.wo, self.w13, self.w2 = [], [], [], []
+        for _ in range(g.layers):
+            q = randn(g.hidden, total_kv * g.q_per_kv, D, fan_in=g.hidden)[:, r * self.Hq:(r + 1) * self.Hq]
+            kv = randn(g.hidden, 2, total_kv, D, fan_in=g.hidden)[:, :, r * H:(r + 1) * H]
+            self.wqkv.append(torch.cat([q.reshape(g.hidden, -1), kv.reshape(g.hidden, -1)], 1).contiguous())
+            wo = randn(total_kv * g.q_per_kv, D, g.hidden, fan_in=total_kv * g.q_per_kv * D)
+            self.wo.append(wo[r * self.Hq:(r + 1) * self.Hq].reshape(-1, g.hidden).contiguous())
+            w13 = randn(g.hidden, 2, g.ffn, fan_in=g.hidden)[:, :, f_lo:f_hi]
+            self.w13.append(w13.reshape(g.hidden, -1).contiguous())
+            self.w2.append(randn(g.ffn, g.hidden, fan_in=g.ffn)[f_lo:f_hi].contiguous())
+        half = D // 2
         self._inv_freq = (1.0 / 10000 ** (torch.arange(half, dtype=torch.float64) / max(half, 1))
                           ).to(torch.float32).to(device)
 
@@ -81,8 +129,9 @@ class TinyModel:
         return ang.cos()[:, None, :], ang.sin()[:, None, :]
 
     def _rope(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` by ``rot`` (``_rotation``; half-split pairs)."""
+        """Rotate ``x [T, H, D]`` by ``rot`` (``_rotation``; half-split pairs), in float32."""
         half = self.D // 2
+        x = x.to(torch.float32)
         if half == 0:
             return x
         cos, sin = rot
@@ -92,21 +141,33 @@ class TinyModel:
         out[..., half: 2 * half] = a * sin + b * cos
         return out
 
+    def _qkv(self, layer: int, x: torch.Tensor, rot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed input ``h``, queries ``[T, Hq, D]`` (compute dtype) and the new K/V
+        ``[T, 2, H, D]`` in the cache's dtype."""
+        h = _rms_norm(x).to(self.cdt)
+        qkv = h @ self.wqkv[layer]
+        T, nq = len(x), self.Hq * self.D
+        q = self._rope(qkv[:, :nq].view(T, self.Hq, self.D), rot).to(self.cdt)
+        k = self._rope(qkv[:, nq: nq + self.H * self.D].view(T, self.H, self.D), rot)
+        v = qkv[:, nq + self.H * self.D:].view(T, self.H, self.D)
+        return h, q, torch.stack([k.to(self.kv_dtype), v.to(self.kv_dtype)], dim=1)
+
     def _layer_tail(self, layer: int, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        part = attn @ self.wo[layer] + F.gelu(h @ self.w1[layer]) @ self.w2[layer]
+        gate, up = (h @ self.w13[layer]).chunk(2, dim=-1)
+        part = (attn.to(self.cdt) @ self.wo[layer] + (F.silu(gate) * up) @ self.w2[layer]).to(torch.float32)
         self.tp.allreduce_(part)
         return x + part
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x) @ self.embed.T
+        return (_rms_norm(x).to(self.cdt) @ self.embed.T).to(torch.float32)
 
     # -- the serving path: K/V through the cache ------------------------------------------------
     def forward_cached(self, cache, table: torch.Tensor, segs: list[Segment]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute the segments' new tokens against the cache: write their K/V through
         ``table`` into ``cache.kv_pool(layer)`` and attend over every cached position.
-        Returns the logits of each segment's last token ``[len(segs), vocab]`` and the
-        K/V written ``[T, layers, 2, heads, head_dim]`` in the cache's dtype."""
+        Returns the logits of each segment's last token ``[len(segs), vocab]`` (float32)
+        and the K/V written ``[T, layers, 2, heads, head_dim]`` in the cache's dtype."""
         dev, tpb = self.device, self.tpb
         lens = [len(s.tokens) for s in segs]
         tok = torch.from_numpy(np.concatenate([s.tokens for s in segs]).astype(np.int64)).to(dev)
@@ -114,63 +175,29 @@ class TinyModel:
         rows = torch.repeat_interleave(torch.tensor([s.row for s in segs]), torch.tensor(lens)).to(dev)
         blk = table[rows, pos // tpb].long()
         off = pos % tpb
-        starts = np.concatenate([[0], np.cumsum(lens)])
-        decodes = [i for i, s in enumerate(segs) if len(s.tokens) == 1]
-        prefills = [i for i, s in enumerate(segs) if len(s.tokens) > 1]
-        plan = self._decode_plan(table, segs, decodes, starts)
+        keys = plan_keys(table, [s.row for s in segs], [s.start for s in segs], lens, tpb)
         written = torch.empty((len(tok), self.L, 2, self.H, self.D), dtype=self.kv_dtype, device=dev)
-        x = self.embed[tok]
+        x = self.embed[tok].to(torch.float32)
         rot = self._rotation(pos)
         for layer in range(self.L):
-            h = _rms_norm(x)
-            qkv = (h @ self.wqkv[layer]).view(-1, 3, self.H, self.D)
-            q, k = self._rope(qkv[:, 0], rot), self._rope(qkv[:, 1], rot)
-            kv = torch.stack([k, qkv[:, 2]], dim=1).to(self.kv_dtype)
+            h, q, kv = self._qkv(layer, x, rot)
             pool = cache.kv_pool(layer)
             pool[blk, :, off] = kv
             written[:, layer] = kv
-            attn = torch.empty((len(tok), self.H, self.D), dtype=torch.float32, device=dev)
-            for i in prefills:
-                a, b = starts[i], starts[i + 1]
-                attn[a:b] = self._attend_one(pool, table[segs[i].row], q[a:b], segs[i])
-            if decodes:
-                attn[plan[0]] = self._attend_decodes(pool, q[plan[0]], plan)
-            x = self._layer_tail(layer, x, h, attn.view(len(tok), -1))
-        return self._logits(x[torch.as_tensor(starts[1:] - 1, device=dev)]), written
+            attn = self._attend(pool, q, keys)
+            x = self._layer_tail(layer, x, h, attn.reshape(len(tok), -1))
+        ends = torch.as_tensor(np.cumsum(lens) - 1, device=dev)
+        return self._logits(x[ends]), written
 
-    def _attend_one(self, pool: torch.Tensor, row: torch.Tensor, q: torch.Tensor,
-                    seg: Segment) -> torch.Tensor:
-        n_blocks = -(-seg.end // self.tpb)
-        kv = pool[row[:n_blocks].long()]  # [blocks, 2, tpb, H, D]
-        k = kv[:, 0].reshape(-1, self.H, self.D)[: seg.end].to(torch.float32)
-        v = kv[:, 1].reshape(-1, self.H, self.D)[: seg.end].to(torch.float32)
-        qpos = torch.arange(seg.start, seg.end, device=q.device)
-        mask = torch.arange(seg.end, device=q.device)[None, :] <= qpos[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask)
-        return out.transpose(0, 1)
-
-    def _decode_plan(self, table: torch.Tensor, segs: list[Segment], decodes: list[int],
-                     starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token indices, padded block rows and key masks of the one-token segments,
-        attended as one batch."""
-        if not decodes:
-            return (torch.empty(0),) * 3
-        dev = self.device
-        ends = torch.tensor([segs[i].end for i in decodes], device=dev)
-        width = -(-int(ends.max()) // self.tpb)
-        rows = table[torch.tensor([segs[i].row for i in decodes], device=dev), :width].long().clamp(min=0)
-        mask = torch.arange(width * self.tpb, device=dev)[None, :] < ends[:, None]
-        return torch.as_tensor(starts[decodes], device=dev), rows, mask[:, None, None, :]
-
-    def _attend_decodes(self, pool: torch.Tensor, q: torch.Tensor, plan) -> torch.Tensor:
-        _, rows, mask = plan
-        kv = pool[rows]  # [B, width, 2, tpb, H, D]
-        b = rows.shape[0]
-        k = kv[:, :, 0].reshape(b, -1, self.H, self.D).to(torch.float32).transpose(1, 2)
-        v = kv[:, :, 1].reshape(b, -1, self.H, self.D).to(torch.float32).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask)  # [B, H, 1, D]
-        return out[:, :, 0]
+    def _attend(self, pool: torch.Tensor, q: torch.Tensor, keys) -> torch.Tensor:
+        try:
+            return self.attention.attend(pool, q, keys)
+        except RuntimeError as e:  # a build without the varlen flash kernel: say so once
+            if self.attention.kernel != "flash":
+                raise
+            log.warning("flash attention failed (%s); using scaled_dot_product_attention", e)
+            self.attention.kernel = "sdpa"
+            return self.attention.attend(pool, q, keys)
 
     # -- the reference: a from-scratch recompute without the cache -------------------------------
     def forward_dense(self, tokens: np.ndarray) -> torch.Tensor:
@@ -178,16 +205,12 @@ class TinyModel:
         dev = self.device
         tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(dev)
         pos = torch.arange(len(tok), device=dev)
-        x = self.embed[tok]
+        x = self.embed[tok].to(torch.float32)
         rot = self._rotation(pos)
         for layer in range(self.L):
-            h = _rms_norm(x)
-            qkv = (h @ self.wqkv[layer]).view(-1, 3, self.H, self.D)
-            q, k = self._rope(qkv[:, 0], rot), self._rope(qkv[:, 1], rot)
-            # Round K/V through the cache dtype exactly as the cached path stores them.
-            k = k.to(self.kv_dtype).to(torch.float32)
-            v = qkv[:, 2].to(self.kv_dtype).to(torch.float32)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 is_causal=True)
+            h, q, kv = self._qkv(layer, x, rot)
+            # K/V rounded through the cache dtype exactly as the cached path stores them.
+            k, v = (kv[:, i].to(self.cdt).transpose(0, 1) for i in (0, 1))
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
             x = self._layer_tail(layer, x, h, out.transpose(0, 1).reshape(len(tok), -1))
         return self._logits(x[-1:])[0]

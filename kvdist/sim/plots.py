@@ -42,8 +42,9 @@ def write_plots(run_dir: Path, tl: Timeline, block_bytes: int, world_size: int) 
     rates = [100 * _rolling(_per_step(tl.reused[t]), window) / denom for t in tiers]
     ax.stackplot(steps, *[np.nan_to_num(r) for r in rates], labels=[f"reused from {t}" for t in tiers],
                  colors=[_COLORS[t] for t in tiers], alpha=0.8)
-    ax.plot(steps, 100 * _rolling(_per_step(tl.reused_gpu_only), window) / denom, color="black",
-            lw=1.2, ls="--", label="gpu-only reuse (replay)")
+    if tl.reused_gpu_only:
+        ax.plot(steps, 100 * _rolling(_per_step(tl.reused_gpu_only), window) / denom, color="black",
+                lw=1.2, ls="--", label="gpu-only reuse (replay)")
     ax.set(xlabel="step", ylabel=f"% of prompt tokens reused ({window}-step window)",
            title="Prefix hit rate by tier", ylim=(0, 100))
     ax.legend(loc="lower right")
@@ -71,6 +72,26 @@ def write_plots(run_dir: Path, tl: Timeline, block_bytes: int, world_size: int) 
         ax.legend(loc="upper right")
     paths.append(_save(fig, run_dir / "bytes_moved.png"))
     return paths
+
+
+def ttft_cdf(run_dir: Path, ttft_s: dict[str, list[float]], rate: float) -> Path:
+    """The TTFT distribution of each configuration of a comparison, as CDFs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"all-tiers": _COLORS["gpu"], "gpu-only": _COLORS["host"], "no-reuse": _COLORS["disk"]}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, values in ttft_s.items():
+        x = np.sort(np.asarray(values)) * 1e3
+        ax.step(x, np.arange(1, len(x) + 1) / max(len(x), 1), where="post", color=colors.get(name),
+                label=f"{name} (p50 {np.median(x):.0f} ms)" if len(x) else name)
+    ax.set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests",
+           title=f"TTFT, the same trace at {rate:g} requests/s", ylim=(0, 1.01))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    return _save(fig, run_dir / "ttft_cdf.png")
 
 
 def _save(fig, path: Path) -> Path:

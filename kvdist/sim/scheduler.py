@@ -90,14 +90,21 @@ class Scheduler:
     def finished(self) -> int:
         return len(self._finished)
 
-    def next_step(self) -> StepPlan:
-        """The next step's batch. Idle time (nothing running, nothing arrived) is skipped.
-        With a gate the batch may be empty: a step that only waits for prefetches."""
+    def next_step(self, now: float | None = None) -> StepPlan | None:
+        """The next step's batch. In step time (``now`` None) idle time is skipped:
+        the clock jumps to the next arrival; with a gate the batch may be empty (a step
+        that only waits for prefetches). In real time the requests that arrived by
+        ``now`` (seconds, ``Request.arrival_s``) are visible, and None means there is
+        nothing to do until ``next_arrival()``."""
         assert not self.done(), "every request has finished"
-        if not self.running and not self._waiting:
-            self.clock = max(self.clock, self._pending[0].arrival)
-        while self._pending and self._pending[0].arrival <= self.clock:
-            self._waiting.append(self._pending.popleft())
+        if now is None:
+            if not self.running and not self._waiting:
+                self.clock = max(self.clock, self._pending[0].arrival)
+            while self._pending and self._pending[0].arrival <= self.clock:
+                self._waiting.append(self._pending.popleft())
+        else:
+            while self._pending and self._pending[0].arrival_s <= now:
+                self._waiting.append(self._pending.popleft())
         plan = StepPlan(self.step, self.clock, decodes=list(self.running))
         prefill_tokens = 0
         admitted: list[Request] = []
@@ -125,8 +132,14 @@ class Scheduler:
             ids = {r.rid for r in admitted}
             self._waiting = [r for r in self._waiting if r.rid not in ids]
         self.running.extend(plan.prefills)
+        if now is not None and not plan.batch and not eligible:
+            return None  # real time: nothing to do before the next arrival
         assert plan.batch or eligible, "a step with nothing to do"  # empty: held by the gate
         return plan
+
+    def next_arrival(self) -> float | None:
+        """Arrival time (seconds) of the next request not visible yet."""
+        return self._pending[0].arrival_s if self._pending else None
 
     def _gate(self, eligible: list[Request]) -> set[int]:
         """Reserve the blocks of runnable requests in FIFO order and start their

@@ -1,5 +1,8 @@
 """The synthetic serving trace: shared system prompts, multi-turn chats that resend
-their whole history, Poisson arrivals.
+their whole history, Poisson arrivals — counted in scheduler steps (``arrival``,
+``workload.arrival_rate`` per step) and, for runs in real time, in seconds
+(``arrival_s``, ``workload.request_rate`` per second, from a stream of its own so
+the rest of the trace does not depend on it).
 
 The trace is generated up front from ``workload.seed`` and is identical on every
 rank and in every replay. The model's replies are scripted by the trace (the
@@ -27,6 +30,7 @@ class Request:
     prompt: np.ndarray  # int32 token ids: system prompt, history, new user message
     output: np.ndarray  # int32: the reply the model decodes (scripted)
     after: int  # rid of the chat's previous turn (must finish first), -1 for turn 0
+    arrival_s: float = 0.0  # wall-clock arrival in seconds from the start (runs in real time)
 
     def blocks_needed(self, tokens_per_block: int) -> int:
         """GPU blocks the request holds at its largest: the prompt plus every decoded
@@ -123,4 +127,7 @@ def generate(w: WorkloadConfig) -> Trace:
             chat.ready_at = step + len(output) + w.think_steps
         if chat.turns_left == 0:
             live[k] = new_chat()
+    gaps = np.random.default_rng([w.seed, 1]).exponential(1.0 / w.request_rate, len(requests))
+    for r, t in zip(requests, np.cumsum(gaps).tolist()):
+        r.arrival_s = t
     return Trace(requests, systems)

@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -51,7 +52,7 @@ class DiskPool:
     directory of :func:`kvdist.paths.default_disk_dir`."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, directory: str, rank: int, *,
-                 io_threads: int = 4, o_direct: bool = False):
+                 io_threads: int = 4, o_direct: bool = False, max_read_bytes_per_s: int = 0):
         assert io_threads > 0, f"io_threads must be > 0, got {io_threads}"
         assert num_blocks > 0, f"a disk tier needs at least one block, got {num_blocks}"
         self.layout = layout
@@ -64,6 +65,11 @@ class DiskPool:
         self.path: str | None = None  # a description: the file itself has no name
         self.direct_refused: str | None = None
         self.bytes_written = self.bytes_read = 0
+        # A throttle for drills (cache.disk.max_read_bytes_per_s): reads share one
+        # timeline on which each run reserves nbytes / rate seconds, and ends no earlier.
+        self.max_read_bytes_per_s = max_read_bytes_per_s
+        self._read_free_at = 0.0
+        self._throttle_lock = threading.Lock()
         self._local = threading.local()
         # O_DIRECT offsets and lengths must be aligned: pad each slot to the alignment.
         self.stride = (-(-self.block_bytes // DIRECT_ALIGN) * DIRECT_ALIGN if o_direct
@@ -215,6 +221,15 @@ class DiskPool:
     def _run_group(self, writing: bool, group: list[tuple[int, list[np.ndarray]]]) -> None:
         for slot, arrays in group:
             self._io(writing, slot, arrays)
+            if not writing and self.max_read_bytes_per_s:
+                self._throttle(len(arrays) * self.block_bytes)
+
+    def _throttle(self, nbytes: int) -> None:
+        with self._throttle_lock:
+            now = time.monotonic()
+            self._read_free_at = max(now, self._read_free_at) + nbytes / self.max_read_bytes_per_s
+            delay = self._read_free_at - now
+        time.sleep(delay)
 
     @staticmethod
     def _last_writes(slots: Sequence[int], buffers: Sequence) -> tuple[Sequence[int], Sequence]:

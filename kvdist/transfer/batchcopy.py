@@ -178,8 +178,9 @@ class BatchCopier:
     def copy(self, stream: torch.cuda.Stream, src_rows: torch.Tensor, dst_rows: torch.Tensor,
              src: np.ndarray, dst: np.ndarray, *, src_chunk: int = 0,
              dst_chunk: int = 0) -> str:
-        """Queue ``dst_rows[dst[i]] <- src_rows[src[i]]`` on ``stream`` (rows are whole
-        blocks of one 2-D uint8 tensor each); returns the path taken. ``*_chunk``: rows
+        """Queue ``dst_rows[dst[i]] <- src_rows[src[i]]`` on ``stream`` (rows of a 2-D
+        uint8 tensor: whole blocks, or the same byte range of every block, a strided
+        view, whose rows are never merged); returns the path taken. ``*_chunk``: rows
         per CUDA registration of that side (0: one allocation), see ``coalesce``."""
         path = self.path
         n = len(src)
@@ -192,12 +193,17 @@ class BatchCopier:
                     dst_rows[d].copy_(src_rows[s], non_blocking=True)
             self._count(path, n)
             return path
-        bpb = src_rows.shape[1]
-        s0, d0, length = coalesce(src, dst, src_chunk, dst_chunk)
+        size = src_rows.shape[1]
+        assert dst_rows.shape[1] == size and src_rows.stride(1) == dst_rows.stride(1) == 1, "rows differ"
+        ps, pd = src_rows.stride(0), dst_rows.stride(0)  # row pitches: size, or a block's for a slice
+        if ps == pd == size:
+            s0, d0, length = coalesce(src, dst, src_chunk, dst_chunk)
+        else:
+            s0, d0, length = src, dst, np.ones(len(src), dtype=np.int64)
         if path == "memcpy-batch" and self._batch is not None:
-            srcs = (src_rows.data_ptr() + s0 * bpb).astype(np.uint64)
-            dsts = (dst_rows.data_ptr() + d0 * bpb).astype(np.uint64)
-            sizes = (length * bpb).astype(np.uint64)
+            srcs = (src_rows.data_ptr() + s0 * ps).astype(np.uint64)
+            dsts = (dst_rows.data_ptr() + d0 * pd).astype(np.uint64)
+            sizes = (length * size).astype(np.uint64)
             err = self._batch(dsts, srcs, sizes, len(sizes), stream.cuda_stream)
             if err == 0:
                 self._count(path, 1)
@@ -212,10 +218,10 @@ class BatchCopier:
 
     def _runs(self, stream, src_rows, dst_rows, s0, d0, length) -> None:
         if self._memcpy is not None:
-            bpb = src_rows.shape[1]
+            size, ps, pd = src_rows.shape[1], src_rows.stride(0), dst_rows.stride(0)
             sb, db, h = src_rows.data_ptr(), dst_rows.data_ptr(), stream.cuda_stream
             for s, d, k in zip(s0.tolist(), d0.tolist(), length.tolist()):
-                err = self._memcpy(db + d * bpb, sb + s * bpb, k * bpb, _MEMCPY_DEFAULT, h)
+                err = self._memcpy(db + d * pd, sb + s * ps, k * size, _MEMCPY_DEFAULT, h)
                 assert err == 0, f"cudaMemcpyAsync failed with CUDA error {err}"
             return
         with torch.cuda.stream(stream):

@@ -14,11 +14,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .routes import Route
+from .routes import FETCH, ONBOARD, Route
 
-__all__ = ["Event", "Executor", "ExecutorCounters", "SimulatedCompute"]
+__all__ = ["TIMED", "Event", "Executor", "ExecutorCounters", "SimulatedCompute", "Timing"]
 
 Event = object  # opaque to everyone but the executor that made it
+Timing = tuple[Route, int, float]  # (route, bytes copied, seconds the copy took)
+TIMED = (ONBOARD, FETCH)  # routes whose copy times the executors report (fetch or recompute)
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class Executor(Protocol):
     path: str  # what runs the copies: "sync", "simulated", "none", or the CUDA copy path
     counters: ExecutorCounters
     simulated_compute: SimulatedCompute | None  # only with simulated streams
+    layered: bool  # GPU<->host batches go by layer group: compute waits per layer (S5)
+    compute_wait_seconds: float  # time the compute stream stood still at compute_wait
 
     def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
         """Queue the copies ``src[i] -> dst[i]`` (int64 tier-local slots) of one batch
@@ -62,8 +66,20 @@ class Executor(Protocol):
         """An event for the compute stream's work so far (rule S4); None if none is pending."""
         ...
 
-    def compute_wait(self, events: list[Event]) -> None:
-        """The compute stream waits for ``events`` (rule S5)."""
+    def compute_wait(self, events: list[Event], layered: bool = False) -> None:
+        """The compute stream waits for ``events`` (rule S5) — now, or (``layered``)
+        layer by layer: each ``wait_layer(layer)`` then waits for the layer group of
+        these batches holding that layer."""
+        ...
+
+    def wait_layer(self, layer: int) -> None:
+        """The compute stream waits for ``layer``'s group of the batches of the last
+        ``compute_wait(events, layered=True)`` (rule S5, one layer)."""
+        ...
+
+    def take_timings(self) -> list[Timing]:
+        """The TIMED copies completed since the last call (for the fetch-or-recompute
+        policy): an onboard's time is its copy's, a fetch's its disk read's."""
         ...
 
     def synchronize(self) -> None:

@@ -14,7 +14,14 @@ submission that needs it, or the compute barrier S5) and the wait is counted.
 * spill (gpu -> disk): the GPU half copies the blocks into a pinned bounce buffer on
   the offload stream; the worker waits for that event and writes the buffer.
 * fetch (disk -> gpu): the worker reads into a pinned bounce buffer; once it is done
-  the host queues the GPU half (bounce -> GPU slots) on the onboard stream."""
+  the host queues the GPU half (bounce -> GPU slots) on the onboard stream.
+
+Layer by layer (``cache.layer_groups`` > 1): offloads, onboards and the GPU half of a
+fetch are issued one layer group after the other (layer 0's first), an event after
+each (``Grouped``); ``compute_wait(events, layer)`` makes the compute stream wait only
+for the group holding that layer, so layer 0's attention starts once layer 0's bytes
+have landed while the rest are still on the wire. Every wait of the compute stream
+is timed between two events on it (``compute_wait_seconds``)."""
 
 from __future__ import annotations
 
@@ -26,13 +33,37 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..layout import LayerGroups
 from ..storage import DiskPool, GpuPool, HostPool
 from .batchcopy import BatchCopier
-from .contract import Event, ExecutorCounters
+from .contract import Event, ExecutorCounters, Timing
 from .executors import BatchLog
 from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, Route
 
-__all__ = ["CudaExecutor", "DiskOp"]
+__all__ = ["CudaExecutor", "DiskOp", "Grouped"]
+
+
+@dataclass(slots=True, eq=False)
+class Grouped:
+    """The event of a batch copied one layer group at a time: ``events[g]`` completes
+    once group g of every block has landed (and every group before it)."""
+
+    events: list
+
+    @property
+    def last(self):
+        return self.events[-1]
+
+    def query(self) -> bool:
+        return self.last.query()
+
+    def synchronize(self) -> None:
+        self.last.synchronize()
+
+
+def _whole(e):
+    """The CUDA event standing for all of ``e``'s copies."""
+    return e.last if isinstance(e, Grouped) else e
 
 
 @dataclass(slots=True, eq=False)
@@ -45,7 +76,7 @@ class DiskOp:
     route: Route
     future: Future
     bounce: torch.Tensor | None = None
-    gpu_event: torch.cuda.Event | None = None
+    gpu_event: torch.cuda.Event | Grouped | None = None
     gpu_slots: np.ndarray | None = None  # fetch: where the GPU half writes
     gpu_deps: list = field(default_factory=list)  # fetch: what the GPU half waits for
 
@@ -62,8 +93,10 @@ class CudaExecutor:
 
     def __init__(self, gpu: GpuPool, host: HostPool | None, disk: DiskPool | None,
                  device: torch.device, *, path: str | None = None, disk_threads: int = 2,
-                 log: BatchLog | None = None):
+                 log: BatchLog | None = None, groups: LayerGroups | None = None):
         self.gpu, self.host, self.disk, self.device = gpu, host, disk, device
+        self.groups = groups if groups is not None and len(groups) > 1 else None
+        self.layered = self.groups is not None
         self.copier = BatchCopier(device, prefer=path)
         self.streams = {name: torch.cuda.Stream(device) for name in (OFFLOAD.stream, ONBOARD.stream)}
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -78,6 +111,13 @@ class CudaExecutor:
         self.log = log
         self._handlers = {OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
                           SPILL: self._spill, FETCH: self._fetch}
+        # Onboards between two timing events on their stream; fetch reads timed by their
+        # worker (deque: workers append); the compute stream's waits between events on it.
+        self._timed: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._timings: deque[Timing] = deque()
+        self._waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._compute_wait_s = 0.0
+        self._layer_events: list = []  # of the last compute_wait(layered=True)
 
     @property
     def path(self) -> str:
@@ -105,8 +145,8 @@ class CudaExecutor:
         self._host_wait(op.future)
         st = self.streams[ONBOARD.stream]
         self._gpu_wait(st, op.gpu_deps, host_tier=False)
-        self.copier.copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
-        op.gpu_event, op.gpu_deps = self._record(st), []
+        op.gpu_event = self._copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
+        op.gpu_deps = []
 
     def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, host_tier: bool) -> None:
         """``stream`` waits for the GPU side of ``deps``. A demotion has none: it reads
@@ -116,13 +156,13 @@ class CudaExecutor:
         the slot waits for this copy alone and relies on it having waited for all its
         dependencies."""
         for e in deps:
-            if isinstance(e, torch.cuda.Event):
-                stream.wait_event(e)
+            if isinstance(e, torch.cuda.Event | Grouped):
+                stream.wait_event(_whole(e))
             elif isinstance(e, DiskOp):
                 if e.gpu_pending:
                     self._finish_fetch(e)
                 if e.gpu_event is not None:
-                    stream.wait_event(e.gpu_event)
+                    stream.wait_event(_whole(e.gpu_event))
                 elif host_tier:
                     self._host_wait(e.future)
 
@@ -130,7 +170,7 @@ class CudaExecutor:
     def _worker_wait(deps: list) -> None:
         """Inside a disk worker: the CUDA events and disk batches a task follows."""
         for e in deps:
-            if isinstance(e, torch.cuda.Event):
+            if isinstance(e, torch.cuda.Event | Grouped):
                 e.synchronize()
             elif isinstance(e, DiskOp):
                 e.future.result()
@@ -142,6 +182,10 @@ class CudaExecutor:
                 self._finish_fetch(op)
         while self._inflight and self.is_done(self._inflight[0]):
             self._inflight.popleft()
+        if self.layered and self._unsettled:  # settled once their GPU half has run
+            self._unsettled = deque(op for op in self._unsettled
+                                    if op.gpu_event is None or not op.gpu_event.query())
+        self._drain_waits()
 
     # -- the executor interface ---------------------------------------------------------------------
     def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
@@ -154,17 +198,34 @@ class CudaExecutor:
         return self._handlers[route](s, d, deps)
 
     # -- one handler per route ------------------------------------------------------------------------
-    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
+    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
         st = self.streams[OFFLOAD.stream]
         self._gpu_wait(st, deps, host_tier=True)
-        self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
-        return self._record(st)
+        return self._copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
 
-    def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
+    def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
         st = self.streams[ONBOARD.stream]
         self._gpu_wait(st, deps, host_tier=True)
-        self.copier.copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
-        return self._record(st)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(st)
+        ev = self._copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(st)
+        self._timed.append((len(s) * self.gpu.raw.shape[1], start, end))
+        return ev
+
+    def _copy(self, st: torch.cuda.Stream, src_rows: torch.Tensor, dst_rows: torch.Tensor, s: np.ndarray,
+              d: np.ndarray, **chunks: int) -> torch.cuda.Event | Grouped:
+        """One batch on ``st``: whole blocks, or one layer group after the other (each
+        row of a group is a strided slice of its block; runs are not merged then)."""
+        if self.groups is None:
+            self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
+            return self._record(st)
+        events = []
+        for lo, hi in self.groups.spans:
+            self.copier.copy(st, src_rows[:, lo:hi], dst_rows[:, lo:hi], s, d)
+            events.append(self._record(st))
+        return Grouped(events)
 
     def _demote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # The CPU reads the host rows: no registration limit.
@@ -209,25 +270,74 @@ class CudaExecutor:
 
     def _read_task(self, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
         self._worker_wait(deps)
+        t0 = time.perf_counter()
         self.disk.read_blocks(slots, rows)
+        self._timings.append((FETCH, len(slots) * self.gpu.raw.shape[1], time.perf_counter() - t0))
+
+    def take_timings(self) -> list[Timing]:
+        timed = self._timed
+        while timed and timed[0][2].query():
+            nbytes, start, end = timed.popleft()
+            self._timings.append((ONBOARD, nbytes, start.elapsed_time(end) / 1e3))
+        out = []
+        while self._timings:
+            out.append(self._timings.popleft())
+        return out
+
+    @property
+    def compute_wait_seconds(self) -> float:
+        """Time the compute stream stood still at the waits of ``compute_wait`` so far
+        (those already completed)."""
+        self._drain_waits()
+        return self._compute_wait_s
+
+    def _drain_waits(self) -> None:
+        waits = self._waits
+        while waits and waits[0][1].query():
+            before, after = waits.popleft()
+            self._compute_wait_s += before.elapsed_time(after) / 1e3
 
     def record_compute(self) -> torch.cuda.Event:
         self._pump()
         return self._record(torch.cuda.current_stream(self.device))
 
-    def compute_wait(self, events: list[Event]) -> None:
+    def compute_wait(self, events: list[Event], layered: bool = False) -> None:
         """S5: the compute stream waits for ``events`` and for the GPU half of every
         disk batch not waited for yet (disk batches finish in any order, so the last
-        one of the 'disk stream' does not stand for the earlier ones)."""
+        one of the 'disk stream' does not stand for the earlier ones) — now, or
+        (``layered``) layer by layer in ``wait_layer``."""
+        if layered:  # disk batches stay unsettled until their GPU half is done (``_pump``)
+            self._layer_events = [e for e in events if isinstance(e, torch.cuda.Event | Grouped)]
+            self._layer_events += list(self._unsettled)
+            return
+        self._wait(lambda e: _whole(e), [*self._unsettled, *events])
+        self._unsettled.clear()
+
+    def wait_layer(self, layer: int) -> None:
+        """The compute stream waits for ``layer``'s group of the batches of the last
+        ``compute_wait(events, layered=True)`` (a fetch's GPU half is queued first,
+        the host waiting for its disk read if it has not finished)."""
+        g = self.groups.group_of[layer] if self.groups is not None else None
+        self._wait(lambda e: e.events[g] if g is not None and isinstance(e, Grouped) else _whole(e),
+                   self._layer_events)
+
+    def _wait(self, part, events: list) -> None:
+        """The compute stream waits for ``part(event)`` of each CUDA event and for the
+        GPU half of each disk batch, between two timing events."""
         compute = torch.cuda.current_stream(self.device)
-        while self._unsettled:
-            op = self._unsettled.popleft()
-            if op.gpu_pending:
-                self._finish_fetch(op)
-            compute.wait_event(op.gpu_event)
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
         for e in events:
-            if isinstance(e, torch.cuda.Event):
-                compute.wait_event(e)
+            if isinstance(e, DiskOp):  # a demotion touches no GPU memory: nothing to wait for
+                if e.gpu_pending:
+                    self._finish_fetch(e)
+                if e.gpu_event is not None:
+                    compute.wait_event(part(e.gpu_event))
+            elif isinstance(e, torch.cuda.Event | Grouped):
+                compute.wait_event(part(e))
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(compute)
+        self._waits.append((before, after))
         self._pump()
 
     def synchronize(self) -> None:
@@ -268,7 +378,7 @@ class CudaExecutor:
             if event.gpu_pending:
                 self._finish_fetch(event)
             return event.gpu_event is None or event.gpu_event.query()
-        return event.query()
+        return event.query()  # a CUDA event or a Grouped one
 
     def close(self) -> None:
         """Stop the disk workers (after ``synchronize``)."""

@@ -11,7 +11,9 @@ Rules enforced here (docs/design.md, "Synchronization rules"):
   order (a batched DMA or gather kernel runs them in parallel), so a copy that would
   conflict with the open batch closes that batch first.
 * S4 — after ``begin_step`` every copy waits for the compute stream as it was then.
-* S5 — ``before_compute`` submits everything and makes compute wait for it.
+* S5 — ``before_compute`` submits everything and makes compute wait for it; with
+  batches copied by layer group (``layered``), compute instead waits before it reads
+  each layer (``before_layer``) for the groups holding that layer.
 
 The engine never touches memory: an executor does the copies and owns the streams
 and events. Per-slot state is three int32 arrays indexed by tracking key (12 bytes a
@@ -138,6 +140,7 @@ class TransferEngine:
         self._interned: dict[object, int] = {}  # tracking="block": block id -> key
         self._stream_last: dict[str, Event] = {}
         self._compute_event = None
+        self._layered = False  # the last before_compute left S5 to before_layer
         self.stats = TransferStats()
 
     # -- keys ---------------------------------------------------------------------------
@@ -271,11 +274,24 @@ class TransferEngine:
         self._prune()
         self._compute_event = self.executor.record_compute() if "S4" in self.rules else None
 
-    def before_compute(self) -> None:
-        """S5: submit every queued copy; the compute stream waits for all of them."""
+    def before_compute(self, layered: bool = False) -> None:
+        """S5: submit every queued copy; the compute stream waits for all of them, now
+        or (``layered``) layer by layer, in ``before_layer``."""
         self.flush()
-        if "S5" in self.rules and self._stream_last:
+        self._layered = layered
+        if "S5" not in self.rules:
+            return
+        # The last batch of each stream stands for the earlier ones (streams are FIFO).
+        if layered:
+            self.executor.compute_wait(list(self._stream_last.values()), layered=True)
+        elif self._stream_last:
             self.executor.compute_wait(list(self._stream_last.values()))
+
+    def before_layer(self, layer: int) -> None:
+        """S5 for one layer: the compute stream waits for the layer groups holding
+        ``layer`` of the copies submitted at the last ``before_compute(layered=True)``."""
+        if self._layered and "S5" in self.rules:
+            self.executor.wait_layer(layer)
 
     def synchronize(self) -> None:
         """The host waits until every queued copy has run."""

@@ -3,13 +3,14 @@ the copy kernels, and the executor that runs each batch at once."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
-from .contract import Event, ExecutorCounters
+from .contract import TIMED, Event, ExecutorCounters, Timing
 from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, Route
 
 __all__ = ["DONE", "BatchLog", "HostCopies", "NullExecutor", "SyncExecutor"]
@@ -30,6 +31,15 @@ class HostCopies:
 
     def run(self, route: Route, src: list[int], dst: list[int], vectorized: bool) -> None:
         self._handlers[route](src, dst, vectorized)
+
+    def run_span(self, route: Route, src: list[int], dst: list[int], span: tuple[int, int]) -> None:
+        """Bytes ``span`` of each block only (one layer group), in the order given
+        (OFFLOAD and ONBOARD: the routes between the GPU and the host tier)."""
+        a, b = (self.gpu.raw, self.host.raw) if route is OFFLOAD else (self.host.raw, self.gpu.raw)
+        assert route in (OFFLOAD, ONBOARD), f"{route} is not copied by layer group"
+        lo, hi = span
+        for s, d in zip(src, dst):
+            b[d, lo:hi].copy_(a[s, lo:hi])
 
     @staticmethod
     def _rows(a: torch.Tensor, b: torch.Tensor, src: list[int], dst: list[int], vectorized: bool) -> None:
@@ -77,22 +87,36 @@ class SyncExecutor:
     path = "sync"
     simulated_compute = None
 
+    compute_wait_seconds = 0.0  # compute is the host: it never waits for a copy
+    layered = False  # every copy is done when submitted
+
     def __init__(self, copies: HostCopies, log: BatchLog | None = None):
         self.copies = copies
         self.log = log
         self.counters = ExecutorCounters()
+        self._timings: list[Timing] = []
 
     def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
         s, d = np.asarray(src).tolist(), np.asarray(dst).tolist()
         if self.log is not None:
             self.log.append((route.name, s, d))
+        t0 = time.perf_counter()
         self.copies.run(route, s, d, vectorized=True)
+        if route in TIMED:
+            self._timings.append((route, len(s) * self.copies.gpu.raw.shape[1], time.perf_counter() - t0))
         return DONE
+
+    def take_timings(self) -> list[Timing]:
+        out, self._timings = self._timings, []
+        return out
 
     def record_compute(self) -> Event | None:
         return None
 
-    def compute_wait(self, events: list[Event]) -> None:
+    def compute_wait(self, events: list[Event], layered: bool = False) -> None:
+        pass
+
+    def wait_layer(self, layer: int) -> None:
         pass
 
     def synchronize(self) -> None:

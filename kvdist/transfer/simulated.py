@@ -6,19 +6,26 @@ synchronize, or a later operation that depends on it). Operations are FIFO withi
 stream, as on a GPU, but copies inside one batch run in reverse order and, when many
 operations are forced at once, the most recently submitted one is forced first. Every
 ordering the engine forgot to declare is therefore violated, and shows up as wrong
-bytes. Tests may ``hold`` a stream and ``release`` it step by step."""
+bytes. Tests may ``hold`` a stream and ``release`` it step by step.
+
+With layer groups (``cache.layer_groups`` > 1) a batch between the GPU and the host
+tier is one operation per group, layer 0's first, and its event is a ``SimGroups``:
+``compute_wait(events, layer)`` forces only the operations up to that layer's group,
+so a layer read before its group was waited for still holds the old bytes."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
-from .contract import Event, ExecutorCounters
+from ..layout import LayerGroups
+from .contract import TIMED, Event, ExecutorCounters, Timing
 from .executors import BatchLog, HostCopies
-from .routes import STREAMS, Route
+from .routes import OFFLOAD, ONBOARD, STREAMS, Route
 
-__all__ = ["SimDeadlock", "SimExecutor", "SimOp"]
+__all__ = ["SimDeadlock", "SimExecutor", "SimGroups", "SimOp"]
 
 
 class SimDeadlock(RuntimeError):
@@ -35,6 +42,26 @@ class SimOp:
         return f"SimOp#{self.seq}@{self.stream.name}{'(done)' if self.done else ''}"
 
 
+class SimGroups:
+    """The event of a batch copied one layer group at a time: ``ops[g]`` copies group g."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self, ops: list[SimOp]):
+        self.ops = ops
+
+    @property
+    def last(self) -> SimOp:
+        return self.ops[-1]
+
+
+def _op(event, groups: LayerGroups | None = None, layer: int | None = None) -> SimOp | None:
+    """The operation to wait for: a whole batch's last, or the group holding ``layer``."""
+    if isinstance(event, SimGroups):
+        return event.ops[groups.group_of[layer]] if layer is not None else event.last
+    return event
+
+
 class SimStream:
     __slots__ = ("held", "last", "name")
 
@@ -49,8 +76,15 @@ class SimExecutor:
 
     path = "simulated"
 
-    def __init__(self, copies: HostCopies | None, log: BatchLog | None = None):
+    def __init__(self, copies: HostCopies | None, log: BatchLog | None = None,
+                 groups: LayerGroups | None = None):
         self.copies = copies
+        self.groups = groups if groups is not None and len(groups) > 1 else None
+        self.layered = self.groups is not None
+        self._layer_events: list = []  # of the last compute_wait(layered=True)
+        self._kernel_events: list | None = None  # the running kernel's view of those
+        self._timings: list[Timing] = []
+        self.compute_wait_seconds = 0.0  # S5: host time spent running the copies compute waits for
         # "remote": the remote tier's fetches (kvdist.distributed.shared_transport).
         self.streams = {name: SimStream(name) for name in (*STREAMS, "compute", "remote")}
         self._queued: list[SimOp] = []
@@ -66,7 +100,7 @@ class SimExecutor:
     # -- queueing -------------------------------------------------------------------------
     def enqueue(self, stream: str, fn: Callable[[], None], deps: list | None = None) -> SimOp:
         st = self.streams[stream]
-        all_deps = [d for d in (deps or []) if d is not None and not d.done]
+        all_deps = [d for d in map(_op, deps or []) if d is not None and not d.done]
         if st.last is not None and not st.last.done:
             all_deps.append(st.last)
         self._seq += 1
@@ -80,20 +114,52 @@ class SimExecutor:
         if self.log is not None:
             self.log.append((route.name, list(src), list(dst)))
         src, dst = src[::-1], dst[::-1]  # no order inside a batch: run it backwards
-        return self.enqueue(route.stream, lambda: self.copies.run(route, src, dst, vectorized=False), deps)
+        if self.groups is not None and route in (OFFLOAD, ONBOARD):
+            copy = self.copies.run_span
+            return SimGroups([self.enqueue(route.stream, self._timed(
+                route, len(src) * (hi - lo), lambda span=(lo, hi): copy(route, src, dst, span)), deps)
+                for lo, hi in self.groups.spans])
+        nbytes = len(src) * (self.copies.gpu.raw.shape[1] if self.copies is not None else 0)
+        return self.enqueue(route.stream, self._timed(
+            route, nbytes, lambda: self.copies.run(route, src, dst, vectorized=False)), deps)
+
+    def _timed(self, route: Route, nbytes: int, fn: Callable[[], None]) -> Callable[[], None]:
+        if route not in TIMED:
+            return fn
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            fn()
+            self._timings.append((route, nbytes, time.perf_counter() - t0))
+        return run
+
+    def take_timings(self) -> list[Timing]:
+        out, self._timings = self._timings, []
+        return out
 
     def kernel(self, fn: Callable[[], None]) -> SimOp:
-        """Queue a 'kernel' on the simulated compute stream (a forward pass, tests)."""
-        return self.enqueue("compute", fn)
+        """Queue a 'kernel' on the simulated compute stream (a forward pass, tests).
+        Its per-layer waits (``wait_layer``, from ``kv_pool`` inside ``fn``) are for the
+        copies compute was told to wait for when the kernel was queued — on a GPU the
+        host enqueues them then — not for those of a later step by the time it runs."""
+        events = self._layer_events
+
+        def run() -> None:
+            outer, self._kernel_events = self._kernel_events, events
+            try:
+                fn()
+            finally:
+                self._kernel_events = outer
+        return self.enqueue("compute", run)
 
     def record_compute(self) -> SimOp | None:
         last = self.streams["compute"].last
         return None if last is None or last.done else last
 
     # -- waiting ---------------------------------------------------------------------------
-    def force(self, op: SimOp) -> None:
+    def force(self, op: SimOp | SimGroups) -> None:
         """Run ``op`` and, first, everything it depends on."""
-        stack = [op]
+        stack = [_op(op)]
         while stack:
             top = stack[-1]
             if top.done:
@@ -110,10 +176,26 @@ class SimExecutor:
             stack.pop()
         self._queued = [o for o in self._queued if not o.done]
 
-    def compute_wait(self, events: list) -> None:
-        """S5 on CPU: compute is the host itself, so it runs what it waits for, now."""
-        for ev in sorted((e for e in events if e is not None), key=lambda e: -e.seq):
-            self.force(ev)
+    def compute_wait(self, events: list, layered: bool = False) -> None:
+        """S5 on CPU: compute is the host itself, so it runs what it waits for, now
+        (``layered``: layer by layer, in ``wait_layer``)."""
+        if layered:
+            self._layer_events = [e for e in events if e is not None]
+        else:
+            self._force_all(events, None)
+
+    def wait_layer(self, layer: int) -> None:
+        """Run the copies of ``layer``'s group (and what they follow) of the batches
+        compute waits for: the running kernel's, or the host's latest."""
+        events = self._kernel_events if self._kernel_events is not None else self._layer_events
+        self._force_all(events, layer)
+
+    def _force_all(self, events: list, layer: int | None) -> None:
+        t0 = time.perf_counter()
+        ops = [op for op in (_op(e, self.groups, layer) for e in events) if op is not None]
+        for op in sorted(ops, key=lambda o: -o.seq):
+            self.force(op)
+        self.compute_wait_seconds += time.perf_counter() - t0
 
     def synchronize(self) -> None:
         while self._queued:
@@ -137,7 +219,8 @@ class SimExecutor:
         self.streams[stream].held = False
 
     @staticmethod
-    def is_done(event: SimOp | None) -> bool:
+    def is_done(event: SimOp | SimGroups | None) -> bool:
+        event = _op(event)
         return event is None or event.done
 
     def queued(self) -> int:

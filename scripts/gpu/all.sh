@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU run in one call (about 10 minutes on one H200): make gpu-test (the CUDA tests),
 # make gpu-bench (bench transfer, staging, pin), the start-up drills with 4 ranks on GPU 0
-# (scripts/gpu/consensus.sh) and the main job, 4 ranks, configs/h200.yaml
+# (scripts/gpu/consensus.sh) and the main job, one rank, configs/h200.yaml
 # (scripts/gpu/sim.sh). Logs under $OUT (default /tmp/out).
 # From the repo root on a CUDA machine with kvdist installed:  bash scripts/gpu/all.sh
 set -u

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The main job on the H200: 4 ranks share cuda:0 (configs/h200.yaml: 8B-class, TP=4,
-# bf16 512 KiB blocks; per rank 3 GiB GPU tier, 6 GiB pinned host, 8 GiB disk). A short
+# The main job on the H200, step-counted (--no-compare: bookkeeping replays, no clock;
+# scripts/gpu/compare.sh has the real-time comparison): configs/h200.yaml, Llama-3-8B at
+# TP=1 (2 MiB blocks; 12 GiB GPU tier, 24 GiB pinned host, 24 GiB disk). A short
 # smoke run first if SMOKE=N (stops the script if it fails), then the full run; prints the final
 # tables. Run from the repo root on the device machine:
 #   bash scripts/gpu/sim.sh                 (sources scripts/gpu/env.sh where .whl/ is carried)
-# Knobs: NP=4 CONFIG=configs/h200.yaml REQUESTS=<override> SMOKE=<requests of a short run first>
+# Knobs: NP=1 CONFIG=configs/h200.yaml REQUESTS=<override> SMOKE=<requests of a short run first>
 set -u
 if [ -d .whl ] && [ -z "${MPIEXEC:-}" ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
-NP=${NP:-4}
+NP=${NP:-1}
 CONFIG=${CONFIG:-configs/h200.yaml}
 SMOKE=${SMOKE:-0}
 OUT=${OUT:-/tmp/kvdist-runs}
@@ -17,7 +18,7 @@ df -h /tmp | tail -1
 python3 -c "import torch, matplotlib; print('torch', torch.__version__, 'matplotlib', matplotlib.__version__)" \
     2>/dev/null || echo "(matplotlib missing: no plots)"
 run() {  # progress bars go to stderr: kept out of the log, shown only on failure
-    python3 launch/kvdist-launch -n "$NP" --python python3 run --config "$CONFIG" --out "$OUT" "$@" \
+    python3 launch/kvdist-launch -n "$NP" --python python3 run --no-compare --config "$CONFIG" --out "$OUT" "$@" \
         2>/tmp/kvdist-sim.err
     local rc=$?
     if [ $rc -ne 0 ]; then echo "exit status $rc"; tail -40 /tmp/kvdist-sim.err; fi

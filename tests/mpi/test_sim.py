@@ -12,7 +12,7 @@ import torch
 
 import kvdist
 from kvdist.sim.driver import RunOptions, run
-from kvdist.sim.model import TinyModel
+from kvdist.sim.model import Decoder, Geometry
 from kvdist.sim.parallel import TensorParallel
 from kvdist.sim.placement import placements
 from kvdist.sim.report import REQUIRED_KEYS
@@ -62,7 +62,8 @@ def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factor
     cfg = kvdist.load_config(make_cfg(
         model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
-               "disk": {"path": str(base / "disk"), "bytes": 400 * 1024}, "simulate_async": True},
+               "disk": {"path": str(base / "disk"), "bytes": 400 * 1024}, "simulate_async": True,
+               "recompute_when_faster": False},  # measured timings would make reuse vary
         distributed={"check_consistency_every": 10},
         workload={"requests": 100, "seed": 5, "system_prompts": 3, "system_prompt_tokens": 40,
                   "conversations": 10, "turns": [2, 5], "user_tokens": [3, 20], "output_tokens": [2, 9],
@@ -94,10 +95,11 @@ def test_tensor_parallel_model_equals_one_rank_with_every_head():
     tp = TensorParallel()
     solo = TensorParallel(MPI.COMM_SELF)
     try:
-        kw = dict(layers=3, head_dim=8, hidden=24, vocab=50, seed=9, device=torch.device("cpu"),
-                  kv_dtype=torch.float32, tokens_per_block=4)
-        split = TinyModel(heads=2, tp=tp, **kw)
-        whole = TinyModel(heads=2 * tp.size, tp=solo, **kw)
+        kw = dict(seed=9, device=torch.device("cpu"), kv_dtype=torch.float32, compute_dtype=torch.float32,
+                  tokens_per_block=4)
+        shape = dict(layers=3, head_dim=8, q_per_kv=2, hidden=24, ffn=40, vocab=50)
+        split = Decoder(Geometry(kv_heads=2, **shape), tp=tp, **kw)
+        whole = Decoder(Geometry(kv_heads=2 * tp.size, **shape), tp=solo, **kw)
         tokens = np.random.default_rng(1).integers(0, 50, 30).astype(np.int32)
         got = split.forward_dense(tokens)  # collective: one allreduce per layer
         torch.testing.assert_close(got, whole.forward_dense(tokens), rtol=0, atol=1e-5)

@@ -1,0 +1,112 @@
+"""Fetch or recompute: a cached block in a cold tier is worth onboarding only when
+copying it costs less time than computing its tokens again (docs/design.md, "Fetch or
+recompute").
+
+Figures, kept as running means:
+
+* each cold tier's fetch bandwidth (bytes per second of the copies that brought
+  blocks from it to the GPU, as the executor timed them);
+* the engine's prefill cost (seconds per computed token of its prefill steps, which it
+  reports through ``KVCache.observe_prefill``).
+
+The decision for one prompt's cached prefix (blocks in order, each in some tier) is
+the cut ``k`` that minimizes ``fetch(blocks before k) + recompute(blocks after k)``:
+GPU hits cost nothing, a host or disk hit costs ``block bytes / its tier's
+bandwidth``, a block not reused costs ``tokens per block x seconds per token``. A
+prefix must stay contiguous, so a slow block in the middle also gives up the
+blocks after it when that is cheaper than fetching it. With no figure yet for a tier
+(or no prefill figure) its blocks are fetched: that is how the figure is measured.
+
+Ranks of one TP group must cut identically, but their measured figures differ. So
+decisions use only *agreed* figures: each rank's figures are MIN-reduced (the
+slowest rank bounds both a fetch and a recompute) at every step boundary
+(``KVCache.end_step``) and take effect from the next step on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .blocks import DISK, GPU, HOST, TIER_NAMES
+
+UNKNOWN = 1 << 62  # "no figure yet": larger than any rate, so it never wins a MIN
+_WEIGHT = 0.2  # of a new observation in a running mean
+
+
+def _mean(old: float, new: float) -> float:
+    return new if old <= 0 else (1 - _WEIGHT) * old + _WEIGHT * new
+
+
+@dataclass(slots=True)
+class PolicyCounts:
+    fetched: list[int] = field(default_factory=lambda: [0, 0, 0])  # blocks, by tier
+    recomputed: list[int] = field(default_factory=lambda: [0, 0, 0])  # cold hits recomputed instead
+
+
+class FetchPolicy:
+    """Per-rank figures, the agreed figures, and the cut."""
+
+    FIGURES = ("host_bytes_per_s", "disk_bytes_per_s", "prefill_tokens_per_s")
+
+    def __init__(self, bytes_per_block: int, tokens_per_block: int, enabled: bool = True):
+        self.bpb, self.tpb, self.enabled = bytes_per_block, tokens_per_block, enabled
+        self._bw = [0.0, 0.0, 0.0]  # measured bytes/s by tier (GPU unused)
+        self._s_per_token = 0.0
+        self.agreed = [UNKNOWN, UNKNOWN, UNKNOWN]  # FIGURES, as ints
+        self.counts = PolicyCounts()
+
+    # -- figures -----------------------------------------------------------------------------
+    def observe_copy(self, tier: int, nbytes: int, seconds: float) -> None:
+        """A copy of ``nbytes`` from ``tier`` to the GPU took ``seconds``."""
+        if nbytes > 0 and seconds > 0:
+            self._bw[tier] = _mean(self._bw[tier], nbytes / seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._s_per_token = _mean(self._s_per_token, seconds / tokens)
+
+    def local_figures(self) -> list[int]:
+        """This rank's figures (FIGURES order), to be MIN-reduced over the TP group."""
+        rate = int(1 / self._s_per_token) if self._s_per_token > 0 else UNKNOWN
+        return [int(self._bw[HOST]) or UNKNOWN, int(self._bw[DISK]) or UNKNOWN, max(rate, 1)]
+
+    def agree(self, figures: list[int]) -> None:
+        """Adopt the group's figures (every rank passes the same list)."""
+        assert len(figures) == 3, f"expected {self.FIGURES}, got {figures}"
+        self.agreed = [int(v) for v in figures]
+
+    # -- the decision ----------------------------------------------------------------------------
+    def cut(self, tiers: list[int]) -> int:
+        """How many leading blocks of a cached prefix to reuse; ``tiers[i]`` is block
+        i's tier. Changes nothing (``record`` counts the decision once it stands)."""
+        n = len(tiers)
+        host_bw, disk_bw, rate = self.agreed
+        if not self.enabled or rate >= UNKNOWN or n == 0:
+            return n
+        recompute = self.tpb / rate
+        fetch = [0.0, self.bpb / host_bw if host_bw < UNKNOWN else 0.0,
+                 self.bpb / disk_bw if disk_bw < UNKNOWN else 0.0]
+        if max(fetch[t] for t in set(tiers)) < recompute:
+            return n  # every block is cheaper to fetch than to compute: the usual case
+        best, best_k, total = 0.0, 0, 0.0
+        for i, t in enumerate(tiers):
+            total += fetch[t] - recompute
+            if total < best:  # strictly: fetch only when faster
+                best, best_k = total, i + 1
+        return best_k
+
+    def record(self, tiers: list[int], k: int) -> None:
+        """Count the cold blocks of a prefix fetched (before ``k``) and given up."""
+        c = self.counts
+        for i, t in enumerate(tiers):
+            if t != GPU:
+                (c.fetched if i < k else c.recomputed)[t] += 1
+
+    def stats(self, has_tier) -> dict:
+        host_bw, disk_bw, rate = self.agreed
+        known = lambda v: None if v >= UNKNOWN else v  # noqa: E731
+        cold = [t for t in (HOST, DISK) if has_tier(t)]
+        return {"enabled": self.enabled,
+                "fetched_blocks": {TIER_NAMES[t]: self.counts.fetched[t] for t in cold},
+                "recomputed_blocks": {TIER_NAMES[t]: self.counts.recomputed[t] for t in cold},
+                "host_bytes_per_s": known(host_bw), "disk_bytes_per_s": known(disk_bw),
+                "prefill_tokens_per_s": known(rate)}

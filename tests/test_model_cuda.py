@@ -1,0 +1,86 @@
+"""The simulation's model on a GPU: the varlen FlashAttention path over the paged pool
+equals the SDPA path on the same pool, and a cached forward pass (reuse, decodes,
+grouped-query heads, bfloat16) equals a from-scratch recompute within the run's
+logits tolerance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvdist
+from kvdist.sim.attention import PagedAttention, plan_keys
+from kvdist.sim.checks import logits_tolerance
+from kvdist.sim.model import Decoder, Geometry, Segment
+from kvdist.sim.parallel import TensorParallel
+
+from .conftest import make_cfg
+
+pytestmark = pytest.mark.gpu
+
+
+def _cache(layers=4, heads=2, dim=64, blocks=64):
+    return kvdist.create(make_cfg(
+        model={"num_layers": layers, "num_kv_heads": heads, "head_dim": dim, "dtype": "bfloat16"},
+        cache={"device": "cuda", "tokens_per_block": 16, "gpu": {"blocks": blocks}}))
+
+
+def test_flash_and_sdpa_kernels_agree_over_the_paged_pool():
+    cache = _cache()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        pool = cache.kv_pool(0)
+        pool.copy_(torch.randn(pool.shape, generator=g, device="cuda").to(pool.dtype))
+        perm = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        table = perm[:40].view(4, 10).cuda()  # 4 sequences, blocks scattered over the pool
+        # Prefills with and without a cached prefix, and two decodes.
+        starts, q_lens = [0, 37, 150, 90], [45, 20, 1, 1]
+        keys = plan_keys(table, [0, 1, 2, 3], starts, q_lens, 16)
+        # 4 query heads per K/V head.
+        q = torch.randn(sum(q_lens), 8, 64, generator=g, device="cuda").to(torch.bfloat16)
+        flash = PagedAttention(kv_heads=2, head_dim=64, kernel="flash").attend(pool, q, keys)
+        sdpa = PagedAttention(kv_heads=2, head_dim=64, kernel="sdpa").attend(pool, q, keys)
+        err = float((flash.float() - sdpa.float()).norm() / sdpa.float().norm())
+        print(f"\nflash vs sdpa over the paged pool: relative error {err:.2e}")
+        assert err < 1e-2
+    finally:
+        cache.close()
+
+
+def test_cached_forward_equals_a_recompute_in_bfloat16():
+    cache = _cache()
+    tp = TensorParallel()
+    try:
+        lay = cache.layout
+        model = Decoder(Geometry(lay.num_layers, lay.num_kv_heads, lay.head_dim, q_per_kv=4, hidden=512,
+                                 ffn=1024, vocab=1000),
+                        seed=2, tp=tp, device=cache.device, kv_dtype=torch.bfloat16,
+                        compute_dtype=torch.bfloat16, tokens_per_block=16)
+        assert model.attention.kernel == "flash"
+        tol = logits_tolerance(torch.bfloat16, torch.bfloat16)
+        rng = np.random.default_rng(0)
+        a = rng.integers(0, 1000, 150).astype(np.int32)
+        cache.begin_step()
+        cache.add_sequence(0, a.tolist())
+        table = cache.block_table([0])
+        model.forward_cached(cache, table, [Segment(0, 0, a)])
+        cache.end_step()
+        cache.release(0)
+        b = np.concatenate([a[:140], rng.integers(0, 1000, 30).astype(np.int32)])
+        cache.begin_step()
+        reused = cache.add_sequence(1, b.tolist())
+        cache.add_sequence(2, a[:20].tolist())
+        assert reused == 128
+        table = cache.block_table([1, 2])
+        segs = [Segment(0, reused, b[reused:]), Segment(1, 0, a[:20])]
+        logits, _ = model.forward_cached(cache, table, segs)
+        cache.end_step()
+        for got, toks in ((logits[0], b), (logits[1], a[:20])):
+            ref = model.forward_dense(toks)
+            diff = float((got - ref).abs().max())
+            print(f"max |logit diff| {diff:.3e} of max |logit| {float(ref.abs().max()):.2f}")
+            assert diff <= tol * max(1.0, float(ref.abs().max()))
+    finally:
+        cache.close()
+        tp.free()
