@@ -32,7 +32,7 @@ def _run_summary(parts: list[dict], replicas: int) -> dict:
             "steps": lead["steps"], "prompt_tokens": st["prompt_tokens"], "reused_tokens": hits,
             "prefill_tokens_computed": st["prompt_tokens"] - sum(hits.values()),
             "bytes_fetched_remote": sum(p["stats"]["bytes_fetched_remote"] for p in members),
-            "remote_misses": sum(p["stats"]["remote_misses"] for p in members),
+            "remote_misses": st["remote_misses"],  # the replica's verdicts, alike on its ranks
             "prefetched": lead["gate"][0], "held_for_prefetch": lead["gate"][1],
             "logits": [lead["logits"][0], max(p["logits"][1] for p in members),
                        max(p["logits"][2] for p in members)],
@@ -193,9 +193,9 @@ def render(r: dict) -> str:
     out.append(tabulate(per, headers=["replica", "run", "requests", "steps", "reused gpu", "host", "remote",
                                       "computed", "fetched", "remote misses", "prefetched", "held"],
                         intfmt=",", colalign=("right", "left") + ("right",) * 10))
-    out.append("(fetched: bytes pulled from other replicas, all TP ranks; remote misses: stale or timed-out "
-               "lookups; prefetched: requests with blocks to fetch on arrival; held: those admitted a step "
-               "or more late for them)")
+    out.append("(fetched: bytes pulled from other replicas, all TP ranks; remote misses: blocks looked up "
+               "that were stale or late; prefetched: requests with blocks to fetch on arrival; held: those "
+               "admitted a step or more late for them)")
     for name, run in r["runs"].items():
         out.append(f"per step, {name}: cache bookkeeping {run['bookkeeping_us_per_step']:.0f} µs, all cache "
                    f"calls {run['cache_api_us_per_step']:.0f} µs, model {run['model_ms_per_step']:.1f} ms")
