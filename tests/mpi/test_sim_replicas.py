@@ -1,7 +1,8 @@
 """The main job as two replicas (seconds): isolated and sharing side by side on one
-trace, the one-cache ceiling, zero mismatches (blocks from the other replica checked
-against its writes), TP ranks identical inside each replica, results.json; and a TP
-rank that diverges stops its replica and fails the run."""
+trace, sharing reusing what isolated replicas recompute, the one-cache ceiling, zero
+mismatches (blocks from the other replica checked against its writes), TP ranks
+identical inside each replica, results.json; a TP rank that diverges stops its
+replica, and a corrupted block from the other replica is caught: both fail the run."""
 
 import json
 from pathlib import Path
@@ -52,7 +53,9 @@ def test_sharing_replicas_reuse_what_isolated_ones_recompute(tmp_path_factory):
     assert computed["no reuse"] == r["prompt_tokens"]
     assert computed["isolated"] == r["prompt_tokens"] - sum(iso["reused_tokens"].values())
     assert r["gap"]["tokens"] == computed["isolated"] - computed["one cache (ceiling)"] > 0
-    assert "remote" not in iso["reused_tokens"] and iso["bytes_fetched_remote"] == 0
+    assert computed["sharing"] < computed["isolated"]
+    assert share["reused_tokens"]["remote"] > 0 and "remote" not in iso["reused_tokens"]
+    assert share["bytes_fetched_remote"] > 0 and iso["bytes_fetched_remote"] == 0
     assert r["turns"]["sent_away"] > r["turns"]["follow_ups"] // 3
     for name, summary in r["runs"].items():
         assert summary["requests"] == 70, name
@@ -85,3 +88,53 @@ def test_a_diverging_tp_rank_stops_its_replica_only(monkeypatch):
     assert iso[0]["requests"] == iso[0]["requests_routed"] and iso[0]["consistency"][1] is None
     assert iso[1]["requests"] < iso[1]["requests_routed"]
     assert iso[1]["consistency"][1].startswith(f"step {iso[1]['steps']}: ranks reused different prefixes")
+
+
+def test_a_corrupted_block_from_the_other_replica_is_caught(monkeypatch):
+    """Rule off: on the last rank, the first prompt that reuses blocks fetched from the
+    other replica gets one of them overwritten before the model reads it. Its digest
+    matches no write of any replica: the run reports it and fails."""
+    world = two_replicas()
+    corrupted, remote_now = [], {}
+    real_create = kvdist.sim.driver.create
+
+    class CorruptingCache:
+        """The cache, but the last rank overwrites the V of layer 0 in the last reused
+        block (one fetched from the other replica) of the first prompt with remote hits."""
+
+        def __init__(self, cache):
+            self.cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self.cache, name)
+
+        def add_sequence(self, seq_id, tokens, priority=35):
+            before = self.cache.stats()["hit_tokens"].get("remote", 0)
+            n = self.cache.add_sequence(seq_id, tokens, priority)
+            remote_now[seq_id] = (n, self.cache.stats()["hit_tokens"].get("remote", 0) - before)
+            return n
+
+        def block_table(self, seq_ids):
+            table = self.cache.block_table(seq_ids)
+            for row, seq_id in enumerate(seq_ids):
+                n, remote = remote_now.get(seq_id, (0, 0))
+                if not corrupted and remote and world.rank == world.size - 1:
+                    last = n // 4 - 1  # remote blocks follow the local ones
+                    self.cache.kv_pool(0)[table[row, last], 1] += 1.0
+                    corrupted.append((seq_id, last))
+            remote_now.clear()
+            return table
+
+    def corrupting_create(cfg, comm=None):
+        return CorruptingCache(real_create(cfg, comm))
+
+    monkeypatch.setattr(kvdist.sim.driver, "create", corrupting_create)
+    r = run(replicas_cfg(world.size), RunOptions(out=None, progress=False))
+    caught = world.bcast(corrupted if world.rank == world.size - 1 else None, root=world.size - 1)
+    assert caught, "no prompt reused a block from the other replica"
+    seq_id, block = caught[0]
+    assert not r["ok"] and r["runs"]["isolated"]["ok"]
+    i = r["runs"]["sharing"]["integrity"]
+    assert i["mismatched_blocks"] >= 1
+    assert i["first_mismatch"] == (f"sequence {seq_id!r} block {block} (reused from another replica): bytes "
+                                   "differ from every write")
