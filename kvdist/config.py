@@ -189,6 +189,9 @@ class WorkloadConfig(_Section):
     arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
     think_steps: int = Field(default=0, ge=0)  # a chat's next turn comes >= this after its reply
     routing: Literal["round_robin", "sticky", "prefix"] = "round_robin"  # requests -> replicas
+    # Several replicas keep the trace's time by the wall clock, one step per step_ms, so
+    # they all see the same moment (a chat's next turn on one, its reply on another).
+    step_ms: float = Field(default=10.0, gt=0)
     max_batch: int = Field(default=16, gt=0)  # sequences per step (prefills + decodes)
     max_prefill_tokens: int = Field(default=2048, gt=0)  # prompt tokens admitted per step
     priority: int = Field(default=35, ge=0, le=100)

@@ -135,6 +135,24 @@ def test_gated_requests_hold_their_blocks_from_the_prefetch_on():
     assert gate.started == [0, 1, 2]
 
 
+def test_time_kept_outside_the_scheduler():
+    """A replica's clock is the wall clock: the scheduler only says until when it is
+    idle, and arrivals up to the clock it is advanced to become visible."""
+    share = Trace([req(0, range(8), arrival=5), req(1, range(8, 16), arrival=9)], [])
+    sched = Scheduler(share, max_batch=4, max_prefill_tokens=100, gpu_blocks=20, tokens_per_block=4)
+    assert sched.idle_until() == 5
+    sched.advance(7)
+    plan = sched.next_step()
+    assert (plan.clock, [r.req.rid for r in plan.prefills]) == (7, [0])
+    assert sched.idle_until() is None  # request 0 runs
+    sched.complete(plan)
+    sched.advance(6)  # never back
+    plan = sched.next_step()
+    assert (plan.clock, [r.req.rid for r in plan.prefills], [r.req.rid for r in plan.decodes]) == (8, [], [0])
+    sched.complete(plan)
+    assert sched.idle_until() == 9
+
+
 # -- the prefetch gate over the cache -------------------------------------------------------------
 # -- the prefetch gate over the cache -------------------------------------------------------------
 class FakeCache:
@@ -202,6 +220,18 @@ def test_ceiling_reuses_across_replicas_what_isolated_replicas_recompute():
     # One cache: a's two full blocks (its decoded 5 never filled a third one).
     assert replay(cfg, trace, [one, two], cap, 35) == {"gpu": 8}
     assert replay(cfg, trace, [two, one], cap, 35) == {"gpu": 8}  # merged by clock, not by order
+
+
+def test_ceiling_keeps_each_replicas_steps_apart_within_one_tick():
+    """Replica 0 serves a, then b (a's next turn), in two steps of one tick of the wall
+    clock: merged with the other replica's steps, they stay two steps, so b reuses a."""
+    cfg = kvdist.load_config(make_cfg(cache={"gpu": {"blocks": 8}}))
+    a = req(0, range(8), output=(5,))
+    b = req(1, list(range(8)) + [5, 6, 7, 7], output=(1,), after=0)
+    c = req(2, range(30, 38), output=(1,))
+    one = StepLog([StepRecord(3, [0], [], [0]), StepRecord(3, [1], [], [1])])
+    other = StepLog([StepRecord(3, [2], [], [2])])
+    assert replay(cfg, Trace([a, b, c], []), [one, other], {"gpu": 8}, 35) == {"gpu": 8}
 
 
 def test_ceiling_of_one_replica_is_that_replica_and_more_capacity_only_helps():

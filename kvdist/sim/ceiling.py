@@ -3,8 +3,9 @@ bookkeeping-only cache with the capacity of all of them together.
 
 Every replica logs its steps (:class:`StepLog`: the trace's clock, admitted requests,
 decode appends, finished requests). After the run the logs are merged by clock — the
-steps the replicas took at the same moment become one step of the one cache — and
-replayed through a cache of ``R x`` one replica's blocks in every tier
+steps the replicas took at the same moment become one step of the one cache (the k-th
+step of every replica within one tick of the clock together) — and replayed through a
+cache of ``R x`` one replica's blocks in every tier
 (:func:`~kvdist.sim.shadows.bookkeeping_cache`). That is what sharing could reach at
 best on exactly the requests and steps the replicas ran: every block any replica
 computed is visible to all, none is held twice. The same replay of one replica's
@@ -54,12 +55,15 @@ def replay(cfg: CacheConfig, trace: Trace, logs: list[StepLog], capacity: dict[s
            priority: int, comm=None) -> dict[str, int]:
     """Prompt tokens reused per tier when ``logs`` (one per replica) run through one
     bookkeeping cache of ``len(logs) x capacity`` blocks per tier, steps merged by
-    clock (replica order inside a clock). ``comm`` must be a one-rank communicator."""
+    clock (replica order inside a merged step). ``comm`` must be a one-rank
+    communicator."""
     scale = len(logs)
-    by_clock: dict[int, list[StepRecord]] = defaultdict(list)
+    by_clock: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
     for log in logs:
+        within: dict[int, int] = defaultdict(int)  # steps of this replica in one tick
         for rec in log.records:
-            by_clock[rec.clock].append(rec)
+            by_clock[rec.clock, within[rec.clock]].append(rec)
+            within[rec.clock] += 1
     requests = {r.rid: r for r in trace.requests}
     with tempfile.TemporaryDirectory(prefix="kvdist-ceiling-") as disk_dir:
         cache = bookkeeping_cache(cfg, gpu=scale * capacity["gpu"], host=scale * capacity.get("host", 0),

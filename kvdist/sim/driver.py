@@ -134,6 +134,9 @@ class Simulation:
             self.shadows = Shadows(self.cfg, self.capacity["gpu"], self.w.priority, comm=solo)
         self.timeline = Timeline({t: self.capacity[t] for t in self.cache.tiers})
 
+    def _before_step(self) -> None:
+        """The scheduler keeps its own time: one step of the trace per step."""
+
     def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         if self.shadows is not None:
             self.shadows.step([r.req for r in plan.prefills], appends, [r.req.rid for r in done])
@@ -168,6 +171,7 @@ class Simulation:
     # -- one step --------------------------------------------------------------------------------
     def _step(self) -> list[int]:
         cache, w = self.cache, self.w
+        self._before_step()
         now = self.time.now() if self.realtime else None  # rank 0's, on every rank
         t0 = time.perf_counter()
         cache.begin_step()

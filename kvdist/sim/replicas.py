@@ -47,6 +47,7 @@ class ReplicaSimulation(Simulation):
         self.world, self.full_trace, self.phase, self.first = world, trace, phase, first
         self.routes: np.ndarray | None = None
         self.log = StepLog()
+        self.t0 = 0.0  # the wall clock's start (time.monotonic), the same moment everywhere
         super().__init__(cfg, opts, comm)
 
     # -- the hooks of Simulation ---------------------------------------------------------------
@@ -72,7 +73,23 @@ class ReplicaSimulation(Simulation):
     def _setup_reporting(self) -> None:
         """No replays or timeline per run (the job reports once, with the one-cache
         replay); the metrics endpoint on rank 0 (bound before the start) serves replica
-        0's figures."""
+        0's figures. The clock starts on every rank of the job at once."""
+        self.world.barrier()
+        self.t0 = time.monotonic()
+
+    def _before_step(self) -> None:
+        """The trace's time by the wall clock, one step per ``workload.step_ms``, the
+        same on every replica; agreed inside the TP group (the ranks read the clock at
+        slightly different moments). With nothing running or waiting, sleep until the
+        next arrival."""
+        step_s = self.w.step_ms / 1e3
+        now = int((time.monotonic() - self.t0) / step_s)
+        now = -self.tp.allreduce_min([-now])[0]  # the latest clock of the group
+        nxt = self.sched.idle_until()
+        if nxt is not None and nxt > now:  # the same on every rank of the group
+            time.sleep(max(0.0, self.t0 + nxt * step_s - time.monotonic()))
+            now = nxt
+        self.sched.advance(now)
 
     def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         self.log.record(plan, appends, [r.req.rid for r in done])

@@ -141,6 +141,15 @@ class Scheduler:
         """Arrival time (seconds) of the next request not visible yet."""
         return self._pending[0].arrival_s if self._pending else None
 
+    def advance(self, clock: int) -> None:
+        """Time kept outside the scheduler (a replica's wall-clock steps): arrivals up to
+        ``clock`` become visible at the next step."""
+        self.clock = max(self.clock, clock)
+
+    def idle_until(self) -> int | None:
+        """With nothing running or waiting, the clock of the next arrival (else None)."""
+        return None if self.running or self._waiting else self._pending[0].arrival
+
     def _gate(self, eligible: list[Request]) -> set[int]:
         """Reserve the blocks of runnable requests in FIFO order and start their
         prefetches; the ids the gate lets in."""
