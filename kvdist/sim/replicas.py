@@ -57,7 +57,8 @@ class ReplicaSimulation(Simulation):
         return split(self.full_trace, self.routes, c.replica)
 
     def _make_tp(self) -> TensorParallel:
-        """The TP group: this replica's ranks, split off the job's communicator."""
+        """The TP group: the ranks the cache puts in this replica (``cache.replica``; the
+        cache keeps its own group private), split off the job's communicator."""
         group = self.world.mpi.Split(self.cache.replica, self.cache.rank)
         try:
             return TensorParallel(group)
@@ -126,7 +127,7 @@ class ReplicaSimulation(Simulation):
         chk = self.checks
         return {
             "rank": c.rank, "replica": c.replica, "tp_rank": c.tp_rank, "tiers": list(c.tiers),
-            "stats": {k: s.get(k, 0) for k in STAT_KEYS},
+            "stats": {k: s[k] for k in STAT_KEYS},
             "requests": len(self.trace.requests), "finished": self.sched.finished, "steps": self.sched.step,
             "ledger": [led.checked_blocks, led.mismatched_blocks, led.unknown_blocks, led.variants,
                        led.first_mismatch],
