@@ -1,5 +1,5 @@
 """Fault drills: ``KVDIST_FAULTS="site@rank[,site@rank...]"`` makes the named rank fail
-at the named site, to rehearse failures on a real job (DESIGN §2).
+at the named site, to rehearse failures on a real job (docs/design.md, "Start-up").
 
 Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``build``
 (any other error while building the local cache), ``fallback_build`` (error while

@@ -1,4 +1,4 @@
-"""Tier capacities every rank agrees on (DESIGN §3).
+"""Tier capacities every rank agrees on (docs/design.md, "Start-up").
 
 Each rank plans its own capacity in blocks per tier — from its GPU's free memory,
 its node's share of host memory (``host.bytes: auto``), the configured sizes — and

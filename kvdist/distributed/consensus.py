@@ -1,4 +1,4 @@
-"""The start-up protocol (DESIGN §5): every rank builds a local candidate, then all
+"""The start-up protocol (docs/design.md, "Start-up"): every rank builds a local candidate, then all
 ranks agree to commit it, to rebuild it without the host tier, or to abort.
 
 ```
@@ -286,5 +286,5 @@ class _Protocol:
 def establish(comm, cfg: CacheConfig, builder: Builder,
               timing: InitTiming | None = None) -> Committed:
     """Run the protocol over ``comm`` (a SingleComm or MpiComm); collective. Returns the
-    committed candidate, or raises on every rank (DESIGN §5)."""
+    committed candidate, or raises on every rank (docs/design.md, "Start-up")."""
     return _Protocol(comm, cfg, builder, timing or InitTiming()).run()

@@ -1,4 +1,4 @@
-"""Committing the remote tier at start-up (after the consensus of DESIGN §5): on all
+"""Committing the remote tier at start-up (after the consensus of docs/design.md, "Start-up"): on all
 ranks or on none.
 
 ```

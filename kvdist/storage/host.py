@@ -1,6 +1,6 @@
 """The host tier: ``num_blocks`` blocks of host memory, pinned when CUDA exists.
 
-Allocated the fast way (DESIGN §3): one anonymous ``mmap``; pages populated by
+Allocated the fast way (docs/design.md, "Tiers, slots and blocks"): one anonymous ``mmap``; pages populated by
 parallel threads (``MADV_POPULATE_WRITE``, touching one byte a page where the kernel
 lacks it); then ``cudaHostRegister`` in bounded chunks, each chunk registered as soon
 as its pages are in, so faulting and registering overlap and no single driver call

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 on one H200: time, not tokens. From the repo root of a CUDA machine:
+# Time, not tokens, on a GPU machine. From the repo root of a CUDA machine:
 #   bash scripts/gpu/compare.sh                       (about 13 minutes on the H200)
 # Measured 2026-11-30: steps 1-3 took 4.5 minutes (bench layerwise 20 s, capacity 181 s),
 # step 4 about 6, step 5 about 2; under a 10-minute limit per call run STEPS="1 2 3",

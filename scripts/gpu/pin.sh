@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Host and disk tier figures on the H200 (issue 6). From the repo root: bash scripts/gpu/pin.sh
+# Host and disk tier figures on a GPU machine. From the repo root: bash scripts/gpu/pin.sh
 # Prints: bench pin (8 GiB and 32 GiB, kvdist vs torch.empty(pin_memory=True)), bench disk
 # on the machine's local disk, and the GPU-dependent host/disk/integrity tests.
 set -u

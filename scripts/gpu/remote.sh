@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The remote tier on a GPU machine (issue 15). Logged under $OUT (default /tmp/out).
+# The remote tier on a GPU machine. Logged under $OUT (default /tmp/out).
 #   1. the remote-tier MPI tests with the GPU tier on cuda:0 (4 ranks = 2 replicas x TP 2,
 #      all on GPU 0): the shared-memory transport DMAs from the peer's registered mapping;
 #   2. bench remote, 2 ranks on one node: 2,048 scattered blocks of 128 KiB / 512 KiB / 2 MiB

@@ -1,4 +1,4 @@
-"""Where does the engine lose bandwidth at small blocks? (issue 3, H200 only)
+"""Where does the engine lose bandwidth at small blocks? (CUDA only)
 
 For one block size, 2,048 scattered blocks each way, every variant timed in interleaved
 rounds (so host noise hits all alike): GB/s of wall time, and host microseconds of one

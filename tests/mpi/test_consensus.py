@@ -1,4 +1,4 @@
-"""The start-up consensus under mpiexec (DESIGN §5): every fault drill, every rank's
+"""The start-up consensus under mpiexec (docs/design.md, "Start-up"): every fault drill, every rank's
 outcome, how often each rank built and tore down a candidate, committed tiers and
 capacities identical everywhere, nothing left in memory or on disk.
 
