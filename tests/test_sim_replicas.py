@@ -298,3 +298,16 @@ def test_replicas_config_is_two_replicas_with_a_large_gap_to_close():
     isolated = trace.prompt_tokens - sum(reused)
     ceiling = trace.prompt_tokens - sum(replay(cfg, trace, logs, cap, w.priority).values())
     assert isolated > 2 * ceiling > 0
+
+
+def test_a_replicated_job_refuses_compare(capsys):
+    """``run --compare`` serves one configuration after another on the whole job; a job
+    of replicas compares its isolated and sharing runs itself (and never defaults to
+    --compare, even on CUDA)."""
+    from pathlib import Path
+
+    from kvdist.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "replicas.yaml"
+    assert main(["run", "--config", str(config), "--compare", "--out", "none"]) == 2
+    assert "option '--compare': a job of replicas (distributed.tp_size)" in capsys.readouterr().err

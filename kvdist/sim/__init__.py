@@ -34,10 +34,14 @@ def main(args: argparse.Namespace) -> int:
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
                       configs=configs)
+    replicated = bool(cfg.distributed.tp_size)  # replicas compare isolated and sharing runs themselves
+    if opts.compare and replicated:
+        raise ConfigError("--compare", True, "a job of replicas (distributed.tp_size) compares its replicas "
+                          "isolated and sharing instead")
     if opts.compare is None:
         import torch
 
-        opts.compare = cfg.cache.device != "cpu" and torch.cuda.is_available()
+        opts.compare = not replicated and cfg.cache.device != "cpu" and torch.cuda.is_available()
     try:
         if opts.compare:
             from .compare import CONFIGS, run_compare
