@@ -154,6 +154,9 @@ class RemoteConfig(_Section):
     # How bytes travel between replicas: auto = a shared mapping between replicas on one
     # node, MPI messages across nodes; "messages" everywhere (benchmarks, tests).
     transport: Literal["auto", "messages"] = "auto"
+    # Host-tier changes go to the other replicas every this many steps, in one message
+    # per peer (fewer, larger messages; the directory lags by as many steps).
+    directory_every_steps: int = Field(default=4, ge=1)
 
 
 class DistributedConfig(_Section):

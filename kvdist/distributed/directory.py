@@ -7,13 +7,14 @@ and a replica applies them at step boundaries, in an order its TP ranks agree on
 (``kvdist.distributed.remote``), so their mirrors are always equal. A mirror may be
 stale (the peer changed the slot since): fetches check the slot's stamp (R2).
 
-Lookups go through an open-addressing table of mirror entries keyed by the low 64
-bits of the hash (the high half is checked against the mirror); several peers may
-hold one block (a system prompt every replica holds): a lookup takes the first found.
-Every replica applies every peer's changes, so applying must cost next to nothing
-per record: all records of a step are applied at once, with numpy (entries leave
-the table as tombstones, rebuilt away when they pile up). Memory per peer host slot:
-17 bytes of mirror and 8–16 of table (int32 entries at load <= 0.5)."""
+Lookups go through a table of buckets of mirror entries keyed by the low 64 bits of
+the hash (the high half is checked against the mirror); several peers may hold one
+block (a system prompt every replica holds): a lookup takes the first found. Every
+replica applies every peer's changes, so applying must cost next to nothing per
+record: all records that arrived are applied at once, in a fixed number of numpy
+operations whatever their number (``HolderTable``). Memory per peer host slot: 17
+bytes of mirror, 4 of position and 8-16 of table (int32 entries, buckets at most half
+full)."""
 
 from __future__ import annotations
 
@@ -22,105 +23,122 @@ import xxhash
 
 from ..prefix import MASK64
 
-# One directory record: a peer's host slot, whether it holds a block, and the block's hash.
-RECORD = np.dtype([("slot", "<i4"), ("held", "<i4"), ("hi", "<u8"), ("lo", "<u8")])
+# One directory record: a row of three uint64 — a peer's host slot times two, plus one
+# if it holds a block; the block's hash, high and low half (zero when it holds none).
+RECORD_WORDS = 3
 
 
 def encode(slots: np.ndarray, held: np.ndarray, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """Records for a message (see RECORD)."""
-    rec = np.empty(len(slots), dtype=RECORD)
-    rec["slot"], rec["held"], rec["hi"], rec["lo"] = slots, held, hi, lo
+    """Records for a message: uint64 ``[len(slots), 3]`` (see RECORD_WORDS)."""
+    rec = np.empty((len(slots), RECORD_WORDS), dtype=np.uint64)
+    rec[:, 0] = np.asarray(slots, dtype=np.uint64) * np.uint64(2) + (np.asarray(held) != 0)
+    rec[:, 1], rec[:, 2] = hi, lo
     return rec
 
 
-EMPTY, TOMB = -1, -2
+EMPTY, SPILLED = -1, -2
+WAYS = 16  # entries per bucket: a lookup reads one bucket (a spill list after it, rarely)
 
 
 class HolderTable:
-    """Open addressing (linear probing) over mirror entries, keyed by ``lo[g]``; a
-    deleted entry becomes a tombstone. Inserts and deletes take arrays of entries and
-    run as a few numpy operations per probe round; ``find`` probes in Python (one
-    lookup per prompt block, on the fetcher's own path)."""
+    """Buckets of ``WAYS`` entries (int32 mirror entries, EMPTY where none), a bucket
+    per ``lo[g] & mask``, at most half full on average; the rare entry whose bucket is
+    full goes to ``spill`` (a dict bucket -> entries, looked in after the bucket).
+    ``at[g]`` is where entry ``g`` sits (SPILLED or EMPTY if not in a bucket). Inserts
+    and deletes take arrays of entries and are a handful of numpy operations whatever
+    their number (an insert takes one more round per extra entry that falls into one
+    bucket); ``find`` reads one bucket in Python (one lookup per prompt block, on the
+    fetcher's own path)."""
 
     def __init__(self, capacity: int, hi: np.ndarray, lo: np.ndarray):
-        size = 16
-        while size < 2 * capacity:
-            size *= 2
-        self.table = np.full(size, EMPTY, dtype=np.int32)
-        self._t = memoryview(self.table)
-        self.mask = size - 1
+        buckets = 1
+        while buckets * WAYS < 2 * capacity:
+            buckets *= 2
+        self.table = np.full((buckets, WAYS), EMPTY, dtype=np.int32)
+        self.flat = self.table.reshape(-1)
+        self._t = memoryview(self.flat)
+        self.at = np.full(len(hi), EMPTY, dtype=np.int32)
+        self.mask = buckets - 1
         self.hi, self.lo = hi, lo
         self._hi, self._lo = memoryview(hi), memoryview(lo)
+        self.spill: dict[int, list[int]] = {}
         self.live = 0
-        self.tombs = 0
 
-    def _home(self, gs: np.ndarray) -> np.ndarray:
-        return (self.lo[gs] & np.uint64(self.mask)).astype(np.int64)
+    def _bucket(self, gs: np.ndarray) -> np.ndarray:
+        return (self.lo[gs] & np.uint64(self.mask)).astype(np.intp)
 
     def insert(self, gs: np.ndarray) -> None:
-        """Add entries ``gs`` (distinct, not in the table), in order: at a position
-        two of them probe at once, the earlier one wins."""
-        t, mask = self.table, self.mask
-        pos, left = self._home(gs), np.arange(len(gs))
-        placed = np.zeros(len(gs), dtype=bool)
-        while len(left):
-            p = pos[left]
-            free = t[p] < 0
-            if free.any():
-                claim, at = left[free], p[free]
-                _, first = np.unique(at, return_index=True)  # the earliest claim of each position
-                won = claim[first]
-                self.tombs -= int((t[at[first]] == TOMB).sum())
-                t[at[first]] = gs[won]
-                placed[won] = True
-                left = left[~placed[left]]
-            pos[left] = (pos[left] + 1) & mask
+        """Add entries ``gs`` (distinct, not in the table). In a bucket, earlier ones
+        take earlier free ways."""
+        if len(gs) == 0:
+            return
+        b = self._bucket(gs)
+        order = np.argsort(b, kind="stable")
+        b, gs = b[order], gs[order]
+        starts = np.ones(len(b), dtype=bool)
+        np.not_equal(b[1:], b[:-1], out=starts[1:])
+        idx = np.arange(len(b))
+        nth = idx - np.maximum.accumulate(idx * starts)  # place in its bucket's run of gs
+        for r in range(int(nth.max()) + 1):  # a round's buckets are distinct
+            pick = nth == r if r else starts
+            rb, rg = b[pick], gs[pick]
+            free = self.table[rb] == EMPTY
+            way = free.argmax(axis=1)
+            fits = free[np.arange(len(rb)), way]
+            pos = rb[fits] * WAYS + way[fits]
+            self.flat[pos] = rg[fits]
+            self.at[rg[fits]] = pos
+            for bucket, g in zip(rb[~fits].tolist(), rg[~fits].tolist()):
+                self.spill.setdefault(bucket, []).append(g)
+                self.at[g] = SPILLED
         self.live += len(gs)
-        assert self.live + self.tombs <= self.mask, "directory table full"
 
     def delete(self, gs: np.ndarray) -> None:
         """Remove entries ``gs`` (each in the table once)."""
-        t, mask = self.table, self.mask
-        pos, left = self._home(gs), np.arange(len(gs))
-        while len(left):
-            p = pos[left]
-            hit = t[p] == gs[left]
-            t[p[hit]] = TOMB
-            left = left[~hit]
-            pos[left] = (pos[left] + 1) & mask
+        if len(gs) == 0:
+            return
+        pos = self.at[gs]
+        self.flat[pos[pos >= 0]] = EMPTY
+        self.at[gs] = EMPTY
+        if self.spill:
+            for g in gs[pos == SPILLED].tolist():
+                bucket = int(self.lo[g]) & self.mask
+                spilled = self.spill[bucket]
+                spilled.remove(g)
+                if not spilled:
+                    del self.spill[bucket]
         self.live -= len(gs)
-        self.tombs += len(gs)
-        if self.tombs > (self.mask + 1) // 4:  # probes would grow: rebuild without them
-            live = self.table[self.table >= 0].copy()
-            self.table[:] = EMPTY
-            self.live = self.tombs = 0
-            self.insert(live)
 
     def find(self, hi: int, lo: int) -> int:
         """The first entry holding hash (hi, lo), or EMPTY."""
-        t, mask, his, los = self._t, self.mask, self._hi, self._lo
-        i = lo & mask
-        while True:
-            g = t[i]
-            if g == EMPTY:
-                return EMPTY
+        t, his, los = self._t, self._hi, self._lo
+        bucket = lo & self.mask
+        at = bucket * WAYS
+        for g in t[at:at + WAYS]:
             if g >= 0 and los[g] == lo and his[g] == hi:
                 return g
-            i = (i + 1) & mask
+        if self.spill:
+            for g in self.spill.get(bucket, ()):
+                if los[g] == lo and his[g] == hi:
+                    return g
+        return EMPTY
 
     def entries(self) -> np.ndarray:
-        return self.table[self.table >= 0]
+        spilled = [g for gs in self.spill.values() for g in gs]
+        return np.concatenate([self.flat[self.flat >= 0], np.array(spilled, dtype=np.int32)])
 
     def check_invariants(self) -> None:
-        t = self.table
-        assert (t >= 0).sum() == self.live and (t == TOMB).sum() == self.tombs, "table counts"
-        live = t[t >= 0]
+        live = self.entries()
+        assert len(live) == self.live, "table count"
         assert len(np.unique(live)) == len(live), "an entry is in the table twice"
-        for pos in np.flatnonzero(t >= 0).tolist():
-            i = int(self.lo[t[pos]]) & self.mask  # no empty position between home and entry
-            while i != pos:
-                assert t[i] != EMPTY, f"entry {t[pos]} unreachable from its home"
-                i = (i + 1) & self.mask
+        pos = np.flatnonzero(self.flat >= 0)
+        assert np.array_equal(self.at[self.flat[pos]], pos), "an entry's position is wrong"
+        assert np.array_equal(self._bucket(self.flat[pos]), pos // WAYS), "an entry outside its bucket"
+        spilled = live[len(pos):]
+        assert (self.at[spilled] == SPILLED).all(), "a spilled entry's position is wrong"
+        assert (self.at >= 0).sum() + len(spilled) == self.live, "positions of entries not in the table"
+        for bucket, gs in self.spill.items():
+            assert all(int(self.lo[g]) & self.mask == bucket for g in gs), "a spilled entry of another bucket"
 
 
 class Directory:
@@ -138,7 +156,7 @@ class Directory:
 
     @property
     def nbytes(self) -> int:
-        return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + self.table.table.nbytes
+        return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + self.table.table.nbytes + self.table.at.nbytes
 
     def __len__(self) -> int:
         """Blocks the peers hold (one per holder), as far as this mirror knows."""
@@ -150,24 +168,23 @@ class Directory:
         stands."""
         if not messages:
             return
-        for peer, _ in messages:
-            assert peer != self.me and 0 <= peer < self.num_replicas, f"bad peer {peer}"
-        rec = np.concatenate([r for _, r in messages])
-        slots, held, hi, lo = (rec["slot"].astype(np.int64), rec["held"] != 0, rec["hi"], rec["lo"])
-        assert ((slots >= 0) & (slots < self.host_slots)).all(), "a record names a slot out of range"
-        peers = np.concatenate([np.full(len(r), peer, dtype=np.int64) for peer, r in messages])
-        g = peers * self.host_slots + slots
-        _, last = np.unique(g[::-1], return_index=True)
-        keep = np.sort(len(g) - 1 - last)  # the last record of each slot, in message order
-        g, held = g[keep], held[keep]
-        gone = g[self.held[g]]
-        if len(gone):
-            self.table.delete(gone)
+        peers = [peer for peer, _ in messages]
+        assert self.me not in peers and 0 <= min(peers) and max(peers) < self.num_replicas, \
+            f"bad peers {peers}"
+        rec = messages[0][1] if len(messages) == 1 else np.concatenate([r for _, r in messages])
+        slots = (rec[:, 0] >> np.uint64(1)).astype(np.int64)
+        assert len(slots) == 0 or slots.max() < self.host_slots, "a record names a slot out of range"
+        g = slots + np.repeat(np.array(peers, dtype=np.int64) * self.host_slots, [len(r) for _, r in messages])
+        held, hi, lo = (rec[:, 0] & np.uint64(1)).astype(bool), rec[:, 1], rec[:, 2]
+        if len(set(peers)) < len(peers):  # a peer's slot may be in two messages: the last stands
+            _, last = np.unique(g[::-1], return_index=True)
+            keep = np.sort(len(g) - 1 - last)  # the last record of each slot, in message order
+            g, held, hi, lo = g[keep], held[keep], hi[keep], lo[keep]
+        self.table.delete(g[self.held[g]])
         self.held[g] = held
-        self.hi[g] = np.where(held, hi[keep], 0)
-        self.lo[g] = np.where(held, lo[keep], 0)
-        if held.any():
-            self.table.insert(g[held])
+        self.hi[g] = hi * held
+        self.lo[g] = lo * held
+        self.table.insert(g[held])
         self.records_applied += len(slots)
 
     def match(self, hashes: list[int]) -> list[int]:

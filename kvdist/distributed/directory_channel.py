@@ -1,13 +1,18 @@
 """Directory messages between replicas (rule R4), point-to-point on the cross-replica
 communicator: TP rank t of each replica sends its replica's host-tier changes to TP
-rank t of every other replica, one message per peer per step (none when nothing
+rank t of every other replica, one message per peer every few steps (none when nothing
 changed). Nothing blocks: sends are ``Isend`` (buffers kept until complete), receives
 are matched with ``Improbe`` and completed with ``Imrecv``, at step boundaries.
 
 MPI keeps the messages of one sender in order, so "the first k messages of peer p"
 is the same set on every TP rank of a replica; ``counts`` says how many each rank has
 whole, the TP group MIN-reduces those counts, and every rank applies exactly that
-prefix (``take``). Delivery timing can differ between TP ranks; what they apply cannot."""
+prefix (``take``). Delivery timing can differ between TP ranks; what they apply cannot.
+
+A message's first row is a header: the job's token (agreed at start-up). A message of
+an earlier cache in the same processes, never received before that cache closed, can
+match this one's receives (MPI reuses a freed communicator's context); it is dropped
+unseen, on every rank alike, before it is counted."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from collections import deque
 import numpy as np
 
 from .comm import keep_alive
-from .directory import RECORD
+from .directory import RECORD_WORDS
 
 DIRECTORY_TAG = 11
 
@@ -25,11 +30,13 @@ class DirectoryChannel:
     """This rank's directory traffic with its peers (``cross``: the cross-replica
     communicator, whose rank is the replica index)."""
 
-    def __init__(self, cross, me: int, num_replicas: int):
+    def __init__(self, cross, me: int, num_replicas: int, token: int = 0):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.cross, self.me, self.num_replicas = cross, me, num_replicas
+        self.token = token
+        self.header = np.array([[token, num_replicas, me]], dtype=np.uint64)
         self._sending: deque[tuple] = deque()  # (request, buffer) of sends not complete
         self._inbox: list[deque] = [deque() for _ in range(num_replicas)]  # (request, buffer) per peer
         self.taken = np.zeros(num_replicas, dtype=np.int64)  # messages handed out, per peer
@@ -37,12 +44,14 @@ class DirectoryChannel:
         self.messages_sent = 0
         self.bytes_sent = 0
         self.messages_received = 0
+        self.stale_dropped = 0  # messages of an earlier cache
+        self._open = 0  # messages matched, not yet handed out
 
     def send(self, records: np.ndarray) -> None:
         """Send one step's records to every peer (nothing when there are none)."""
         if len(records) == 0:
             return
-        buf = np.ascontiguousarray(records).view(np.uint8)
+        buf = np.concatenate((self.header, records)).view(np.uint8)
         for peer in range(self.num_replicas):
             if peer != self.me:
                 req = self.cross.Isend([buf, self.MPI.BYTE], dest=peer, tag=DIRECTORY_TAG)
@@ -65,16 +74,26 @@ class DirectoryChannel:
             buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
             self._inbox[status.Get_source()].append((msg.Irecv([buf, MPI.BYTE]), buf))
             self.messages_received += 1
+            self._open += 1
         self._reap()
 
     def counts(self) -> np.ndarray:
         """Per peer: messages this rank has whole, counted from the first ever sent."""
         out = self.taken.copy()
-        for peer, box in enumerate(self._inbox):
-            for req, _ in box:
-                if not req.Test():
-                    break
-                out[peer] += 1
+        if self._open:
+            for peer, box in enumerate(self._inbox):
+                whole = 0
+                while whole < len(box):
+                    req, buf = box[whole]
+                    if not req.Test():
+                        break
+                    if int(buf[:8].view(np.uint64)[0]) != self.token:
+                        del box[whole]  # an earlier cache's: dropped unseen
+                        self._open -= 1
+                        self.stale_dropped += 1
+                        continue
+                    whole += 1
+                out[peer] += whole
         if self.held is not None:
             out = np.minimum(out, self.held)
         return out
@@ -86,8 +105,11 @@ class DirectoryChannel:
         while box[peer] < upto:
             req, buf = self._inbox[peer].popleft()
             assert req.Test(), "taking a message that is not whole"
-            out.append(buf.view(RECORD))
+            rows = buf.view(np.uint64).reshape(-1, RECORD_WORDS)
+            assert int(rows[0, 0]) == self.token, "taking a message of an earlier cache"
+            out.append(rows[1:])
             box[peer] += 1
+            self._open -= 1
         return out
 
     def hold(self, on: bool) -> None:

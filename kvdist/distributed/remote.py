@@ -92,7 +92,7 @@ class RemoteTier:
     def __init__(self, *, tp, channel: DirectoryChannel, directory: Directory, stamps: SlotStamps,
                  transports: dict[int, Transport], server: Transport, rules: set[str],
                  slots: LocalSlots, fetch_timeout_s: float, replica: int, num_replicas: int,
-                 bytes_per_block: int, capacity: dict[int, int]):
+                 bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1):
         self.tp = tp  # the TP group's communicator (MpiComm, or SingleComm for TP 1)
         self.channel, self.directory, self.stamps = channel, directory, stamps
         self.transports = transports  # peer replica -> transport
@@ -106,8 +106,14 @@ class RemoteTier:
         self.landing_cap = {t: n // 2 for t, n in capacity.items()}
         self.landing_used = dict.fromkeys(capacity, 0)
         self.rules = rules  # live: the transports read it too (tests drop rules)
-        self._touched: set[int] = set()  # local host slots changed this step
-        self._unpublished: dict[int, None] = {}  # local host slots filled, stamps not yet valid
+        # Directory messages go out every ``every`` steps (step counts decide it, so the TP
+        # ranks of a replica cut the same messages); agreements without blocks in flight
+        # happen at the same steps.
+        self.every = directory_every
+        self.steps = 0  # end_steps so far
+        self._touched: list[int] = []  # local host slots changed since the last message (repeats)
+        self._filled: list[int] = []  # local host slots filled since the last _publish (repeats)
+        self._waiting = np.zeros(0, dtype=np.int64)  # filled, their copy still running then
         self.inflight: list[Batch] = []  # batches not settled, in start order
         self.landing: dict[int, Batch] = {}  # hash -> batch fetching it (until decided)
         self._prefetch: dict[Hashable, list[Batch]] = {}
@@ -122,38 +128,42 @@ class RemoteTier:
     def host_filled(self, slot: int) -> None:
         local = slot - self.host_base
         self.stamps.invalidate_one(local)
-        self._touched.add(local)
-        self._unpublished[local] = None
+        self._touched.append(local)
+        self._filled.append(local)
 
     def host_emptied(self, slot: int) -> None:
         local = slot - self.host_base
         self.stamps.invalidate_one(local)
-        self._touched.add(local)
-        self._unpublished.pop(local, None)
+        self._touched.append(local)
 
     def _publish(self) -> None:
-        """Stamp valid the host slots whose incoming copy is complete."""
-        if not self._unpublished:
+        """Stamp valid the host slots filled whose incoming copy is complete (a slot
+        emptied again meanwhile stays invalid)."""
+        if self._filled:
+            local = np.unique(np.concatenate((self._waiting, np.array(self._filled, dtype=np.int64))))
+            self._filled.clear()
+        elif len(self._waiting):
+            local = self._waiting
+        else:
             return
-        local = np.fromiter(self._unpublished, dtype=np.int64, count=len(self._unpublished))
-        ready = local[~self.slots.writes_pending(local + self.host_base)]
-        if len(ready) == 0:
-            return
-        self.stamps.publish(ready, *self.slots.stamps_of(ready + self.host_base))
-        for s in ready.tolist():
-            del self._unpublished[s]
+        slots = local + self.host_base
+        cached = self.slots.cached(slots)
+        local, slots = local[cached], slots[cached]
+        pending = self.slots.writes_pending(slots)
+        if not pending.all():
+            self.stamps.publish(local[~pending], *self.slots.stamps_of(slots[~pending]))
+        self._waiting = local[pending]
 
     def _send_directory(self) -> None:
+        """The host slots changed since the last message, as they are now, to every peer."""
         if not self._touched:
             return
-        local = np.fromiter(self._touched, dtype=np.int64, count=len(self._touched))
-        local.sort()
+        local = np.unique(np.array(self._touched, dtype=np.int64))
         self._touched.clear()
         slots = local + self.host_base
         held = self.slots.cached(slots)
         hi, lo = self.slots.stamps_of(slots)
-        self.channel.send(encode(local.astype(np.int32), held.astype(np.int32),
-                                 np.where(held, hi, 0), np.where(held, lo, 0)))
+        self.channel.send(encode(local, held, hi * held, lo * held))
 
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = ()) -> None:
@@ -170,8 +180,11 @@ class RemoteTier:
 
     def begin_step(self) -> None:
         """The replica agrees on the directory prefix to apply and on every in-flight
-        block's verdict, and acts on both (one MIN-reduce inside the TP group)."""
+        block's verdict, and acts on both (one MIN-reduce inside the TP group, at
+        boundaries with blocks in flight or every ``every`` steps)."""
         self.service()
+        if self.tp.size > 1 and not self.inflight and self.steps % self.every:
+            return  # nothing to agree on now (the same on every TP rank)
         t0 = time.perf_counter()
         counts = self.channel.counts()
         agreed_counts, verdicts = self._agree(counts, self.inflight, "remote tier: step agreement")
@@ -185,10 +198,13 @@ class RemoteTier:
         self.counters.upkeep_seconds += time.perf_counter() - t1
 
     def end_step(self) -> None:
-        """Publish what landed in the host tier; tell the peers what changed in it."""
+        """Publish what landed in the host tier; every ``every`` steps, tell the peers
+        what changed in it."""
         t0 = time.perf_counter()
         self._publish()
-        self._send_directory()
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self._send_directory()
         self.counters.upkeep_seconds += time.perf_counter() - t0
         self.service()
 

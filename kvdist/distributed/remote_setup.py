@@ -165,13 +165,13 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
                                                slots, rules, fail)
         else:
             transports[peer] = messages
-    channel = DirectoryChannel(replicas.cross, layout.replica, layout.num_replicas)
+    channel = DirectoryChannel(replicas.cross, layout.replica, layout.num_replicas, plan.token)
     return RemoteTier(tp=replicas.tp, channel=channel,
                       directory=Directory(layout.num_replicas, layout.replica, host.num_blocks),
                       stamps=stamps, transports=transports, server=messages, rules=rules, slots=slots,
                       fetch_timeout_s=rc.fetch_timeout_ms / 1000, replica=layout.replica,
                       num_replicas=layout.num_replicas, bytes_per_block=host.layout.bytes_per_block,
-                      capacity=capacity)
+                      capacity=capacity, directory_every=rc.directory_every_steps)
 
 
 __all__ = ["RemoteTierWarning", "SharePlan", "commit_remote", "plan_sharing", "wanted"]

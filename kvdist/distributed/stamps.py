@@ -41,6 +41,7 @@ class SlotStamps:
             self.arr = self._memory.flat.numpy()[: num_slots * 24].view(np.uint64).reshape(num_slots, 3)
         if not attach:
             self.arr[:, GEN] = 1  # every slot starts empty
+        self._words = memoryview(self.arr.reshape(-1))  # the owner's per-slot writes, no numpy call
         self.shared_path = shared_path
 
     # -- the owner's side ---------------------------------------------------------------------
@@ -50,10 +51,11 @@ class SlotStamps:
         self.arr[slots, GEN] = g | np.uint64(1)
 
     def invalidate_one(self, slot: int) -> None:
-        """``invalidate`` of one slot, without numpy's fancy indexing."""
-        g = int(self.arr[slot, GEN])
+        """``invalidate`` of one slot, without a numpy call."""
+        words, at = self._words, 3 * slot + GEN
+        g = words[at]
         if not g & 1:
-            self.arr[slot, GEN] = g + 1
+            words[at] = g + 1
 
     def publish(self, slots, hi, lo) -> None:
         """The slots now hold whole blocks of these hashes: hash first, then the even
@@ -88,6 +90,7 @@ class SlotStamps:
             self._memory.unlink()
 
     def close(self) -> None:
+        self._words.release()
         self.arr = None
         if self._memory is not None:
             self._memory.close()

@@ -206,15 +206,17 @@ def test_r1_one_tp_rank_fails_its_fetch(world, monkeypatch, rule_on):
         r.cache.close()
 
 
+@pytest.mark.parametrize("every", [1, 4], ids=["every-step", "every-4-steps"])
 @pytest.mark.parametrize("rule_on", [True, False], ids=["R4", "R4-off"])
-def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on):
+def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on, every):
     """The fetcher's last TP rank gets the holder's directory messages steps later than
     the others. With R4 the replica applies only what all have: its ranks' directories
-    (and so their decisions) stay equal at every step; without it they differ."""
+    (and so their decisions) stay equal at every step; without it they differ. Also
+    with messages (and agreements) every 4 steps, the default."""
     T = tp_size(world.size)
     if T < 2:
         pytest.skip("needs TP ranks")
-    r = _open(world, ALL if rule_on else ALL - {"R4"})
+    r = _open(world, ALL if rule_on else ALL - {"R4"}, every=every)
     try:
         if r.replica == FETCHER and r.cache.tp_rank == T - 1:
             r.remote.channel.hold(True)
