@@ -68,30 +68,29 @@ class HolderTable:
         return (self.lo[gs] & np.uint64(self.mask)).astype(np.intp)
 
     def insert(self, gs: np.ndarray) -> None:
-        """Add entries ``gs`` (distinct, not in the table). In a bucket, earlier ones
-        take earlier free ways."""
-        if len(gs) == 0:
-            return
-        b = self._bucket(gs)
-        order = np.argsort(b, kind="stable")
-        b, gs = b[order], gs[order]
-        starts = np.ones(len(b), dtype=bool)
-        np.not_equal(b[1:], b[:-1], out=starts[1:])
-        idx = np.arange(len(b))
-        nth = idx - np.maximum.accumulate(idx * starts)  # place in its bucket's run of gs
-        for r in range(int(nth.max()) + 1):  # a round's buckets are distinct
-            pick = nth == r if r else starts
-            rb, rg = b[pick], gs[pick]
-            free = self.table[rb] == EMPTY
-            way = free.argmax(axis=1)
-            fits = free[np.arange(len(rb)), way]
-            pos = rb[fits] * WAYS + way[fits]
-            self.flat[pos] = rg[fits]
-            self.at[rg[fits]] = pos
-            for bucket, g in zip(rb[~fits].tolist(), rg[~fits].tolist()):
-                self.spill.setdefault(bucket, []).append(g)
-                self.at[g] = SPILLED
+        """Add entries ``gs`` (distinct, not in the table). Each round puts every entry
+        left in its bucket's first free way; where several entries of the round chose
+        one way, the last one (in ``gs`` order) takes it and the others go on to the
+        next round: as many rounds as entries share a bucket, usually two or three.
+        Deterministic, so the TP ranks of a replica build the same table."""
+        gs = np.asarray(gs, dtype=np.int64)
         self.live += len(gs)
+        b = self._bucket(gs)
+        flat = self.flat
+        while len(gs):
+            free = self.table[b] == EMPTY
+            way = free.argmax(axis=1)
+            fits = free[np.arange(len(b)), way]
+            if not fits.all():
+                for bucket, g in zip(b[~fits].tolist(), gs[~fits].tolist()):
+                    self.spill.setdefault(bucket, []).append(g)
+                    self.at[g] = SPILLED
+                b, gs, way = b[fits], gs[fits], way[fits]
+            pos = b * WAYS + way
+            flat[pos] = gs  # with repeated positions, numpy's last assignment stands
+            won = flat[pos] == gs
+            self.at[gs[won]] = pos[won]
+            b, gs = b[~won], gs[~won]
 
     def delete(self, gs: np.ndarray) -> None:
         """Remove entries ``gs`` (each in the table once)."""

@@ -93,6 +93,7 @@ class Transport(Protocol):
     """Moves blocks from one kind of peer into this rank's landing slots."""
 
     name: str
+    serves: bool  # whether the holder's side takes part (``service`` does something)
 
     def landing_tier(self, prefetch: bool) -> int:
         """Where its blocks land here (GPU or HOST), for a prefetch or add_sequence's own fetch."""

@@ -85,6 +85,7 @@ class MessageTransport:
     stamps are ``stamps``. ``rules`` is the remote tier's live rule set."""
 
     name = "messages"
+    serves = True  # the holder answers requests (service)
 
     def __init__(self, cross, host_raw, stamps: SlotStamps, slots, rules: set[str], fail: bool = False):
         from mpi4py import MPI

@@ -113,7 +113,7 @@ class RemoteTier:
         self.steps = 0  # end_steps so far
         self._touched: list[int] = []  # local host slots changed since the last message (repeats)
         self._filled: list[int] = []  # local host slots filled since the last _publish (repeats)
-        self._waiting = np.zeros(0, dtype=np.int64)  # filled, their copy still running then
+        self._waiting: list[int] = []  # filled, their copy still running at the last _publish
         self.inflight: list[Batch] = []  # batches not settled, in start order
         self.landing: dict[int, Batch] = {}  # hash -> batch fetching it (until decided)
         self._prefetch: dict[Hashable, list[Batch]] = {}
@@ -122,6 +122,7 @@ class RemoteTier:
         self.counters = RemoteCounters()
         # Every transport once (one message transport serves all peers, and answers them).
         self._unique = {id(t): t for t in (*transports.values(), server)}
+        self._servers = [t for t in self._unique.values() if t.serves]  # holders that take part
         self._server = server
 
     # -- the holder: the manager's host slots (HostObserver) --------------------------------------
@@ -139,52 +140,57 @@ class RemoteTier:
     def _publish(self) -> None:
         """Stamp valid the host slots filled whose incoming copy is complete (a slot
         emptied again meanwhile stays invalid)."""
-        if self._filled:
-            local = np.unique(np.concatenate((self._waiting, np.array(self._filled, dtype=np.int64))))
-            self._filled.clear()
-        elif len(self._waiting):
-            local = self._waiting
-        else:
+        if not (self._filled or self._waiting):
             return
+        fresh = set(self._filled)
+        fresh.update(self._waiting)
+        self._filled.clear()
+        local = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
         slots = local + self.host_base
         cached = self.slots.cached(slots)
         local, slots = local[cached], slots[cached]
         pending = self.slots.writes_pending(slots)
         if not pending.all():
             self.stamps.publish(local[~pending], *self.slots.stamps_of(slots[~pending]))
-        self._waiting = local[pending]
+        self._waiting = local[pending].tolist()
 
     def _send_directory(self) -> None:
         """The host slots changed since the last message, as they are now, to every peer."""
         if not self._touched:
             return
-        local = np.unique(np.array(self._touched, dtype=np.int64))
+        touched = set(self._touched)
         self._touched.clear()
+        local = np.fromiter(touched, dtype=np.int64, count=len(touched))
+        local.sort()
         slots = local + self.host_base
         held = self.slots.cached(slots)
         hi, lo = self.slots.stamps_of(slots)
         self.channel.send(encode(local, held, hi * held, lo * held))
 
     # -- step boundaries ----------------------------------------------------------------------------
-    def service(self, also: list[Batch] = ()) -> None:
-        """Answer peers, match arrived messages, poll the fetches in flight and ``also``
-        (never blocks)."""
+    def service(self, also: list[Batch] = (), directory: bool = True) -> None:
+        """Answer peers, match arrived directory messages (if ``directory``), poll the
+        fetches in flight and ``also`` (never blocks)."""
         t0 = time.perf_counter()
-        for t in self._unique.values():
+        for t in self._servers:
             t.service()
-        self.channel.poll()
-        now = time.monotonic()
-        for b in (*self.inflight, *also):
-            self.transports[b.peer].poll(b, now)
+        if directory:
+            self.channel.poll()
+        if self.inflight or also:
+            now = time.monotonic()
+            for b in (*self.inflight, *also):
+                self.transports[b.peer].poll(b, now)
         self.counters.upkeep_seconds += time.perf_counter() - t0
 
     def begin_step(self) -> None:
         """The replica agrees on the directory prefix to apply and on every in-flight
-        block's verdict, and acts on both (one MIN-reduce inside the TP group, at
-        boundaries with blocks in flight or every ``every`` steps)."""
-        self.service()
-        if self.tp.size > 1 and not self.inflight and self.steps % self.every:
-            return  # nothing to agree on now (the same on every TP rank)
+        block's verdict, and acts on both (one MIN-reduce inside the TP group), at
+        boundaries with blocks in flight and every ``every`` steps (the same boundaries
+        on every TP rank: they have the same blocks in flight and step counts)."""
+        agree = bool(self.inflight) or self.steps % self.every == 0
+        self.service(directory=agree)
+        if not agree:
+            return
         t0 = time.perf_counter()
         counts = self.channel.counts()
         agreed_counts, verdicts = self._agree(counts, self.inflight, "remote tier: step agreement")
@@ -198,15 +204,15 @@ class RemoteTier:
         self.counters.upkeep_seconds += time.perf_counter() - t1
 
     def end_step(self) -> None:
-        """Publish what landed in the host tier; every ``every`` steps, tell the peers
-        what changed in it."""
+        """Every ``every`` steps: stamp valid what landed in the host tier and tell the
+        peers what changed in it (they cannot ask for a block before they hear of it)."""
         t0 = time.perf_counter()
-        self._publish()
         self.steps += 1
         if self.steps % self.every == 0:
+            self._publish()
             self._send_directory()
         self.counters.upkeep_seconds += time.perf_counter() - t0
-        self.service()
+        self.service(directory=False)
 
     # -- agreement and verdicts -----------------------------------------------------------------------
     def _agree(self, counts: np.ndarray | None, batches: list[Batch],
@@ -406,6 +412,8 @@ class RemoteTier:
 
     def after_add(self, context: tuple[list[int], dict[int, int]], reused_tokens: int) -> None:
         hashes, tier_of = context
+        if not tier_of:
+            return
         for h in hashes[: reused_tokens // self.tpb]:
             t = tier_of.get(h)
             if t is not None:

@@ -116,6 +116,7 @@ class SharedTransport:
     docstring). ``rules`` is the remote tier's live rule set ("R2": check stamps)."""
 
     name = "shared"
+    serves = False  # the holder takes no part
 
     def __init__(self, peer_pool: HostPool, peer_stamps: SlotStamps, landing: dict[int, torch.Tensor],
                  copier: PeerCopier, slots, rules: set[str], fail: bool = False):
