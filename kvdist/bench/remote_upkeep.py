@@ -25,7 +25,7 @@ SYSTEM = 16  # shared system prompts
 SYSTEM_TOKENS = 256
 
 
-def _config(world: int, tp: int, remote: bool) -> dict:
+def _config(world: int, tp: int, remote: bool, every: int | None = None) -> dict:
     # Blocks of 128 bytes: copying them costs next to nothing, so the figures are the
     # bookkeeping's (on a CPU machine the tier copies run inside the API calls).
     return {
@@ -33,41 +33,55 @@ def _config(world: int, tp: int, remote: bool) -> dict:
         "cache": {"tokens_per_block": 16, "device": "cpu", "gpu": {"blocks": 256},
                   "host": {"bytes": 2048 * 128}},
         "distributed": {"tp_size": tp, "consensus_timeout_s": 120,
-                        "remote": {"enabled": remote, "fetch_timeout_ms": 100}},
+                        "remote": {"enabled": remote, "fetch_timeout_ms": 100,
+                                   **({"directory_every_steps": every} if every else {})}},
     }
 
 
-def _drive(cache, steps: int, seed: int) -> dict:
-    """Admit two prompts a step (a system prompt and a question), decode each for four
-    steps, release; per-step figures of this rank. ``cpu``: the thread's CPU time in
-    the cache's calls (what preemption on an oversubscribed machine does not inflate)."""
+def _drive(cache, steps: int, seed: int, decode: int, admit: int) -> dict:
+    """Admit ``admit`` prompts a step (a system prompt and a question), decode each for
+    ``decode`` steps, release; per-step figures of this rank. CPU: the thread's CPU
+    time in the cache's calls (what preemption on an oversubscribed machine does not
+    inflate), in total and by phase: the step boundaries (``begin_step``/``end_step``:
+    where the directory is kept and the TP group agrees), admissions (``add_sequence``:
+    where remote blocks are looked up and fetched) and the rest."""
     rng = random.Random(seed)
     systems = [[random.Random(s).randrange(50000) for _ in range(SYSTEM_TOKENS)] for s in range(SYSTEM)]
     prompts = [rng.choice(systems) + [rng.randrange(50000) for _ in range(rng.randrange(16, 200))]
-               for _ in range(2 * steps)]
+               for _ in range(admit * steps)]
     decoded = [rng.randrange(50000) for _ in range(steps)]
     live: dict[int, int] = {}  # seq -> decode steps left
     sid = 0
-    cpu = time.thread_time()
+    clock = time.thread_time
+    cpu = {"boundaries": 0.0, "admissions": 0.0, "rest": 0.0}
     for step in range(steps):
+        t0 = clock()
         cache.begin_step()
-        for _ in range(2):
+        t1 = clock()
+        for _ in range(admit):
             cache.add_sequence(sid, prompts[sid])
-            live[sid] = 4
+            live[sid] = decode
             sid += 1
+        t2 = clock()
         for s in live:
             cache.append_tokens(s, [decoded[step]])
         cache.block_table(list(live))
+        t3 = clock()
         cache.end_step()
+        t4 = clock()
         for s in [s for s, left in live.items() if left == 1]:
             cache.release(s)
             del live[s]
         for s in live:
             live[s] -= 1
-    cpu = time.thread_time() - cpu
+        t5 = clock()
+        cpu["boundaries"] += (t1 - t0) + (t4 - t3)
+        cpu["admissions"] += t2 - t1
+        cpu["rest"] += (t3 - t2) + (t5 - t4)
     st = cache.stats()
     r = st["remote"]
-    return {"cpu": cpu / steps, "bookkeeping": st["bookkeeping_seconds"] / steps,
+    return {"cpu": sum(cpu.values()) / steps, **{k: v / steps for k, v in cpu.items()},
+            "bookkeeping": st["bookkeeping_seconds"] / steps,
             "upkeep": r.get("upkeep_seconds", 0.0) / steps,
             "agree": r.get("agree_seconds", 0.0) / steps,
             "pull": r.get("pull_seconds", 0.0) / steps,
@@ -75,6 +89,7 @@ def _drive(cache, steps: int, seed: int) -> dict:
             "reused": sum(st["hit_tokens"].values()), "prompt": st["prompt_tokens"],
             "messages": r.get("directory_messages_sent", 0) / steps,
             "message_bytes": r.get("directory_bytes_sent", 0) / steps,
+            "records": r.get("directory_records_applied", 0) / steps,
             "directory_blocks": r.get("directory_blocks", 0), "directory_bytes": r.get("directory_bytes", 0),
             "metadata_bytes": st["metadata_bytes"]}
 
@@ -86,47 +101,61 @@ def run_upkeep(args, comm) -> int:
         if comm.Get_rank() == 0:
             print(f"--upkeep needs at least two replicas of --tp {tp} ranks (world {world})")
         return 2
-    rows = []
-    for remote in (False, True):
-        cache = create(_config(world, tp, remote), comm)
-        try:
-            mine = _drive(cache, args.steps, seed=cache.replica)
-        finally:
-            cache.close()
-        everyone = comm.gather(mine, root=0)
-        if comm.Get_rank() == 0:
-            rows.append((remote, everyone))
+    runs: dict[bool, list[list[dict]]] = {False: [], True: []}
+    for _ in range(args.rounds):  # isolated and sharing alternate: both see the same load
+        for remote in (False, True):
+            cache = create(_config(world, tp, remote, args.every), comm)
+            try:
+                mine = _drive(cache, args.steps, cache.replica, args.decode, args.admit)
+            finally:
+                cache.close()
+            everyone = comm.gather(mine, root=0)
+            if comm.Get_rank() == 0:
+                runs[remote].append(everyone)
     if comm.Get_rank() != 0:
         return 0
     med = statistics.median
+
+    def fig(remote: bool, key: str) -> float:
+        """Median over rounds of the median over ranks."""
+        return med(med(e[key] for e in everyone) for everyone in runs[remote])
+
+    base = fig(False, "cpu")
     table = []
-    base = med(e["bookkeeping"] for e in rows[0][1])
-    for remote, everyone in rows:
-        book = med(e["bookkeeping"] for e in everyone)
-        upkeep, agree = med(e["upkeep"] for e in everyone), med(e["agree"] for e in everyone)
-        reused = sum(e["reused"] for e in everyone[::tp])
-        prompt = sum(e["prompt"] for e in everyone[::tp])
-        cpu = med(e["cpu"] for e in everyone)
-        cpu0 = med(e["cpu"] for e in rows[0][1])
+    for remote in (False, True):
+        last = runs[remote][-1]
+        cpu, bound = fig(remote, "cpu"), fig(remote, "boundaries")
         table.append(["sharing" if remote else "isolated",
-                      f"{1e6 * cpu:.0f}" + (f" (+{100 * (cpu - cpu0) / cpu0:.0f}%)" if remote else ""),
-                      f"{1e6 * book:.0f}",
-                      f"{1e6 * upkeep:.0f}", f"{1e6 * agree:.0f}",
-                      f"{100 * (upkeep + agree) / base:.1f}%" if remote else "-",
-                      f"{1e6 * med(e['pull'] for e in everyone):.0f}",
-                      f"{100 * reused / max(prompt, 1):.1f}%",
-                      f"{sum(e['remote_tokens'] for e in everyone[::tp]):,}",
-                      f"{med(e['messages'] for e in everyone):.1f}",
-                      f"{med(e['message_bytes'] for e in everyone):,.0f}",
-                      f"{med(e['directory_blocks'] for e in everyone):,.0f}",
-                      f"{med(e['directory_bytes'] for e in everyone):,.0f}"])
-    print(f"bench remote --upkeep: {world} ranks = {world // tp} replicas x TP {tp}, {args.steps} steps, "
-          f"medians over ranks of per-step figures (µs)")
-    print(tabulate(table, headers=["run", "API CPU", "bookkeeping", "dir. upkeep", "agreement", "added",
-                                   "fetch waits", "reused", "remote tokens", "dir. msgs/step",
-                                   "dir. bytes/step", "dir. blocks", "dir. bytes"], tablefmt="simple"))
-    print("API CPU: the thread's CPU time in the cache's calls (the copies of these 128-byte blocks "
-          "are negligible); bookkeeping, upkeep, agreement: wall time, which an oversubscribed "
-          "machine inflates; added = (directory upkeep + agreement) / the isolated run's "
-          "bookkeeping; the agreement's time includes waiting for the TP group's slowest rank")
+                      f"{1e6 * cpu:.0f}" + (f" (+{100 * (cpu - base) / base:.0f}%)" if remote else ""),
+                      f"{1e6 * bound:.0f}" + (f" (+{100 * (bound - fig(False, 'boundaries')) / base:.0f}%)"
+                                              if remote else ""),
+                      f"{1e6 * fig(remote, 'admissions'):.0f}", f"{1e6 * fig(remote, 'rest'):.0f}",
+                      f"{1e6 * fig(remote, 'agree'):.0f}",
+                      f"{100 * sum(e['reused'] for e in last[::tp]) / max(sum(e['prompt'] for e in last[::tp]), 1):.1f}%",
+                      f"{sum(e['remote_tokens'] for e in last[::tp]):,}",
+                      f"{fig(remote, 'messages'):.2f}", f"{fig(remote, 'message_bytes'):,.0f}",
+                      f"{fig(remote, 'records'):.0f}",
+                      f"{fig(remote, 'directory_blocks'):,.0f}", f"{fig(remote, 'directory_bytes'):,.0f}"])
+    every = args.every or _default_every()
+    print(f"bench remote --upkeep: {world} ranks = {world // tp} replicas x TP {tp}, {args.steps} steps "
+          f"of {args.admit} admissions (each decoded {args.decode} steps), directory messages every "
+          f"{every} steps; medians over {args.rounds} rounds of the median over ranks, per step (µs)")
+    print(tabulate(table, headers=["run", "API CPU", "boundaries CPU", "admissions CPU", "rest CPU",
+                                   "agreement wall", "reused", "remote tokens", "dir. msgs/step",
+                                   "dir. bytes/step", "records applied/step", "dir. blocks", "dir. bytes"],
+                   tablefmt="simple"))
+    print("CPU: the thread's CPU time in the cache's calls, by phase: boundaries = begin_step + "
+          "end_step (keeping the directory: publishing stamps, sending, receiving and applying "
+          "records; the TP group's agreement), admissions = add_sequence (looking blocks up, "
+          "fetching them), rest = append_tokens, block_table, release; (+x%) = the increase over "
+          "the isolated run's API CPU. The stamp hooks on each host-tier change run inside the "
+          "calls that change the tier (mostly admissions). Agreement wall: the MIN-reduces' wall "
+          "time, which includes waiting for the TP group's slowest rank (on an oversubscribed "
+          "machine, for a core)")
     return 0
+
+
+def _default_every() -> int:
+    from ..config import RemoteConfig
+
+    return RemoteConfig().directory_every_steps

@@ -103,6 +103,7 @@ class MessageTransport:
         self._incoming: list[tuple] = []  # (request, buffer, source) of requests being received
         self._serving: list[tuple] = []  # answers whose blocks are being sent
         self._stray: list[tuple[int, int, int]] = []  # (peer, tag, messages) given up on, to drain
+        self._status = MPI.Status()
         self.requests_served = 0
         self.blocks_served = 0
         self.stale_served = 0
@@ -151,10 +152,12 @@ class MessageTransport:
     # -- the holder's side ----------------------------------------------------------------------
     def service(self) -> None:
         """Answer what peers asked (never blocks); drain answers nobody waits for."""
-        MPI, status = self.MPI, self.MPI.Status()
+        MPI, status = self.MPI, self._status
         while (msg := self.cross.Improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)) is not None:
             buf = np.empty(status.Get_count(MPI.BYTE) // 8, dtype=np.int64)
             self._incoming.append((msg.Irecv([buf, MPI.INT64_T]), buf, status.Get_source()))
+        if not (self._incoming or self._serving or self._stray or self._sends):
+            return  # nothing asked, nothing under way
         still = []
         for req, buf, src in self._incoming:
             if req.Test():

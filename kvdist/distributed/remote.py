@@ -138,8 +138,8 @@ class RemoteTier:
         self._touched.append(local)
 
     def _publish(self) -> None:
-        """Stamp valid the host slots filled whose incoming copy is complete (a slot
-        emptied again meanwhile stays invalid)."""
+        """Stamp valid the host slots filled whose incoming copy is complete (one
+        emptied again meanwhile stays invalid; one whose copy still runs waits)."""
         if not (self._filled or self._waiting):
             return
         fresh = set(self._filled)
@@ -147,11 +147,10 @@ class RemoteTier:
         self._filled.clear()
         local = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
         slots = local + self.host_base
-        cached = self.slots.cached(slots)
-        local, slots = local[cached], slots[cached]
+        local, slots = local[self.slots.cached(slots)], slots[self.slots.cached(slots)]
         pending = self.slots.writes_pending(slots)
-        if not pending.all():
-            self.stamps.publish(local[~pending], *self.slots.stamps_of(slots[~pending]))
+        ready = ~pending
+        self.stamps.publish(local[ready], *self.slots.stamps_of(slots[ready]))
         self._waiting = local[pending].tolist()
 
     def _send_directory(self) -> None:
@@ -199,7 +198,6 @@ class RemoteTier:
                               for records in self.channel.take(peer, int(agreed_counts[peer]))])
         self._decide(self.inflight, verdicts)
         self.inflight = [b for b in self.inflight if not b.settled]
-        self._publish()
         self.counters.agree_seconds += t1 - t0
         self.counters.upkeep_seconds += time.perf_counter() - t1
 
@@ -209,7 +207,7 @@ class RemoteTier:
         t0 = time.perf_counter()
         self.steps += 1
         if self.steps % self.every == 0:
-            self._publish()
+            self._publish()  # first: a peer may ask for a block as soon as it hears of it
             self._send_directory()
         self.counters.upkeep_seconds += time.perf_counter() - t0
         self.service(directory=False)
