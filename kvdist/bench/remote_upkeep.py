@@ -25,13 +25,13 @@ SYSTEM = 16  # shared system prompts
 SYSTEM_TOKENS = 256
 
 
-def _config(world: int, tp: int, remote: bool, every: int | None = None) -> dict:
+def _config(world: int, tp: int, remote: bool, every: int | None = None, batch: int = 8) -> dict:
     # Blocks of 128 bytes: copying them costs next to nothing, so the figures are the
     # bookkeeping's (on a CPU machine the tier copies run inside the API calls).
     return {
         "model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "dtype": "float16"},
-        "cache": {"tokens_per_block": 16, "device": "cpu", "gpu": {"blocks": 256},
-                  "host": {"bytes": 2048 * 128}},
+        "cache": {"tokens_per_block": 16, "device": "cpu", "gpu": {"blocks": 32 * batch},
+                  "host": {"bytes": 256 * batch * 128}},
         "distributed": {"tp_size": tp, "consensus_timeout_s": 120,
                         "remote": {"enabled": remote, "fetch_timeout_ms": 100,
                                    **({"directory_every_steps": every} if every else {})}},
@@ -104,7 +104,7 @@ def run_upkeep(args, comm) -> int:
     runs: dict[bool, list[list[dict]]] = {False: [], True: []}
     for _ in range(args.rounds):  # isolated and sharing alternate: both see the same load
         for remote in (False, True):
-            cache = create(_config(world, tp, remote, args.every), comm)
+            cache = create(_config(world, tp, remote, args.every, args.admit * args.decode), comm)
             try:
                 mine = _drive(cache, args.steps, cache.replica, args.decode, args.admit)
             finally:

@@ -123,14 +123,17 @@ class MessageTransport:
         data_tag, trailer_tag = _tags(rid)
         # Nothing of the engine may still read or write the landing slots once MPI can.
         self.slots.executor.wait_host(self.slots.pending_events(batch.dst))
+        # The request goes first: the holder posts its sends while this rank posts the
+        # receives (a few µs each), and the answer's messages, matched by their own tag,
+        # wait for them (MPI keeps them in order).
+        request = np.concatenate(([rid, n], batch.peer_slots, batch.hi.view(np.int64),
+                                  batch.lo.view(np.int64))).astype(np.int64)
+        self._sends.append((cross.Isend([request, MPI.INT64_T], dest=peer, tag=REQUEST_TAG), request))
         host = self.host
         blocks = [cross.Irecv([host[s], MPI.BYTE], source=peer, tag=data_tag)
                   for s in (batch.dst - self.host_base).tolist()]
         trailer = np.empty(8 + n, dtype=np.uint8)
         tail = cross.Irecv([trailer, MPI.BYTE], source=peer, tag=trailer_tag)
-        request = np.concatenate(([rid, n], batch.peer_slots, batch.hi.view(np.int64),
-                                  batch.lo.view(np.int64))).astype(np.int64)
-        self._sends.append((cross.Isend([request, MPI.INT64_T], dest=peer, tag=REQUEST_TAG), request))
         batch.handle = _Answer(rid, peer, blocks, tail, trailer)
 
     def poll(self, batch: Batch, now: float) -> None:
