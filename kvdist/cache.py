@@ -111,7 +111,7 @@ class KVCache:
         fits = remote.slots.fits
         context = remote.before_add(seq_id, tokens,
                                     lambda hashes: valid and fits(seq_id, len(tokens), hashes))
-        reused = manager.add_sequence(seq_id, tokens, priority, hashes=context[0])
+        reused = manager.add_sequence(seq_id, tokens, priority, hashes=context[0], hits=remote.local_prefix)
         remote.after_add(context, reused)
         return reused
 

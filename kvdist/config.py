@@ -156,7 +156,7 @@ class RemoteConfig(_Section):
     transport: Literal["auto", "messages"] = "auto"
     # Host-tier changes go to the other replicas every this many steps, in one message
     # per peer (fewer, larger messages; the directory lags by as many steps).
-    directory_every_steps: int = Field(default=4, ge=1)
+    directory_every_steps: int = Field(default=8, ge=1)
 
 
 class DistributedConfig(_Section):

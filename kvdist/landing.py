@@ -52,9 +52,10 @@ class ManagerSlots:
         _, need, available = m.gpu_budget(hits, -(-n_tokens // self.tokens_per_block))
         return need <= available
 
-    def cached_prefix(self, hashes: list[int]) -> int:
-        """How many leading ``hashes`` this rank holds in any tier."""
-        return len(self.m.index.match(hashes)) if self.m.enable_reuse else 0
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """The slots of the leading ``hashes`` this rank holds in any tier (what
+        ``add_sequence`` would reuse, as the cache is now)."""
+        return self.m.index.match(hashes) if self.m.enable_reuse else []
 
     def tier_of(self, h: int) -> int | None:
         """The tier holding the block of hash ``h`` here, None if none does."""

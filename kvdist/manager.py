@@ -275,11 +275,14 @@ class CacheManager:
         self.transfer_seconds += time.perf_counter() - t0
 
     def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
-                     priority: int = DEFAULT_PRIORITY, hashes: list[int] | None = None) -> int:
+                     priority: int = DEFAULT_PRIORITY, hashes: list[int] | None = None,
+                     hits: list[int] | None = None) -> int:
         """Admit a prompt: reuse its longest cached prefix of whole blocks from any tier
         (leaving at least one token to compute), allocate GPU blocks for the rest.
         Returns the number of prompt tokens reused. ``hashes``: the hashes of its full
-        blocks (``block_hashes``), when the caller computed them already."""
+        blocks (``block_hashes``), when the caller computed them already; ``hits``: the
+        slots of their reusable prefix, when the caller matched them already (and the
+        cache did not change since)."""
         t0 = time.perf_counter()
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
@@ -292,14 +295,14 @@ class CacheManager:
             raise ValueError(f"sequence {seq_id!r} has no tokens")
         tpb, meta, space = self.tpb, self.meta, self.space
         n_blocks = -(-n // tpb)
-        hits: list[int] = []
+        matched, hits = hits, []
         if self.enable_reuse:
             # Every full block's hash at once: the leading ones find the reusable prefix,
             # the rest go into their fresh slots' meta now and into the index at end_step.
             if hashes is None:
                 hashes = self.block_hashes(tok)
             assert len(hashes) == n // tpb, f"{len(hashes)} hashes for {n // tpb} full blocks"
-            hits = self.index.match(hashes[: (n - 1) // tpb])
+            hits = self.index.match(hashes[: (n - 1) // tpb]) if matched is None else matched
         else:
             hashes = []
         gpu_end = space.base[HOST]

@@ -49,7 +49,7 @@ class LocalSlots(Protocol):
 
     def block_hashes(self, tokens: Iterable[int]) -> list[int]: ...
     def fits(self, seq_id: Hashable, n_tokens: int, hashes: list[int]) -> bool: ...
-    def cached_prefix(self, hashes: list[int]) -> int: ...
+    def cached_prefix(self, hashes: list[int]) -> list[int]: ...
     def tier_of(self, h: int) -> int | None: ...
     def stamps_of(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
     def cached(self, slots: np.ndarray) -> np.ndarray: ...
@@ -120,6 +120,7 @@ class RemoteTier:
         self._deferred: dict[Hashable, list[int]] = {}  # prefetches asked for between steps
         self._prefetched: dict[Hashable, set[int]] = {}  # seq -> hashes landed for it
         self.counters = RemoteCounters()
+        self.local_prefix: list[int] | None = None  # see _plan
         # Every transport once (one message transport serves all peers, and answers them).
         self._unique = {id(t): t for t in (*transports.values(), server)}
         self._servers = [t for t in self._unique.values() if t.serves]  # holders that take part
@@ -279,11 +280,15 @@ class RemoteTier:
     def _plan(self, hashes: list[int], seq_id: Hashable | None, fits=None) -> list[Batch]:
         """Reserve landing slots for the longest run of ``hashes`` after the local prefix
         that peers hold (stopping at a block already on its way) and start the batches,
-        one per holder and landing tier. Nothing when ``fits()`` says no."""
-        start = self.slots.cached_prefix(hashes)
+        one per holder and landing tier. Nothing when ``fits()`` says no: then
+        ``self.local_prefix`` is the local prefix's slots, as they still are."""
+        local = self.slots.cached_prefix(hashes)
+        start = len(local)
         entries = self.directory.match(hashes[start:])
         if not entries or (fits is not None and not fits()):
+            self.local_prefix = local
             return []
+        self.local_prefix = None
         per_batch: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (peer, tier) -> blocks
         prefetch = seq_id is not None
         for i, g in enumerate(entries):
@@ -350,7 +355,7 @@ class RemoteTier:
 
     def _listed(self, hashes: list[int]) -> int:
         """Blocks after the local prefix that the directory lists, up to one on its way."""
-        start = self.slots.cached_prefix(hashes)
+        start = len(self.slots.cached_prefix(hashes))
         n = 0
         for h in hashes[start:start + len(self.directory.match(hashes[start:]))]:
             if h in self.landing:
@@ -398,7 +403,8 @@ class RemoteTier:
         """Fetch what the prompt needs from peers (unless ``fits(hashes)`` says it does
         not fit: then nothing changes and add_sequence raises). Returns the hashes of
         its full blocks (for add_sequence) and the tier each block fetched for it is in
-        (for ``after_add``, which counts the remote hits)."""
+        (for ``after_add``, which counts the remote hits); ``local_prefix`` is then the
+        slots add_sequence will reuse when nothing was fetched (None otherwise)."""
         full, hashes = self._reusable(tokens)
         landed = self._prefetched.pop(seq_id, set())
         self._prefetch.pop(seq_id, None)

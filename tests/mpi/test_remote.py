@@ -206,13 +206,13 @@ def test_r1_one_tp_rank_fails_its_fetch(world, monkeypatch, rule_on):
         r.cache.close()
 
 
-@pytest.mark.parametrize("every", [1, 4], ids=["every-step", "every-4-steps"])
+@pytest.mark.parametrize("every", [1, 8], ids=["every-step", "every-8-steps"])
 @pytest.mark.parametrize("rule_on", [True, False], ids=["R4", "R4-off"])
 def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on, every):
     """The fetcher's last TP rank gets the holder's directory messages steps later than
     the others. With R4 the replica applies only what all have: its ranks' directories
     (and so their decisions) stay equal at every step; without it they differ. Also
-    with messages (and agreements) every 4 steps, the default."""
+    with messages (and agreements) every 8 steps, the default."""
     T = tp_size(world.size)
     if T < 2:
         pytest.skip("needs TP ranks")
@@ -223,6 +223,8 @@ def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on,
         world.Barrier()
         if r.replica == HOLDER:
             r.hold_prompt()
+            while r.remote.steps % every:  # idle steps up to the one that sends the message
+                r.step()
         world.Barrier()
         if r.replica == FETCHER:
             time.sleep(0.05)  # the messages are here, on every rank
@@ -316,3 +318,37 @@ def test_shm_too_small_falls_back_to_messages_with_one_warning(world, monkeypatc
                                                if r.cache.num_replicas > 2 else {})}
     finally:
         r.cache.close()
+
+
+def test_directory_message_of_an_earlier_cache_is_dropped(world):
+    """Two channels on one communicator, as when MPI gives a new cache the context of a
+    closed one whose last message was never received: the new channel drops the old
+    one's message (another job token) and counts and applies only its own peer's."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from kvdist.distributed.directory import encode
+    from kvdist.distributed.directory_channel import DirectoryChannel
+
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    if pair == MPI.COMM_NULL:
+        return
+    me, peer = pair.rank, 1 - pair.rank
+    old, new = DirectoryChannel(pair, me, 2, token=11), DirectoryChannel(pair, me, 2, token=22)
+    try:
+        one = lambda slot, h: encode(np.array([slot]), np.array([1]), np.array([h], dtype=np.uint64),  # noqa: E731
+                                     np.array([h], dtype=np.uint64))
+        old.send(one(3, 1000 + me))  # the earlier cache's, never received by it
+        new.send(one(5, 2000 + me))
+        for _ in range(2000):
+            new.poll()
+            if new.counts()[peer] == 1:
+                break
+            time.sleep(0.001)
+        assert new.counts().tolist() == [1 if p == peer else 0 for p in range(2)]
+        (records,) = new.take(peer, 1)
+        assert records.tolist() == one(5, 2000 + peer).tolist() and new.stale_dropped == 1
+    finally:
+        old.close()
+        new.close()
+        pair.Free()
