@@ -11,9 +11,11 @@ at random) are fetched into slots scattered over the fetcher's landing tier:
            on a CPU machine), stamps read again — what a remote hit costs;
            ceilings: one contiguous copy of the same bytes from the peer's mapping,
            and (CUDA) from this rank's own pinned memory: the host->GPU ceiling;
-  messages the MPI transport: one request, one indexed-datatype answer straight into
-           the landing host slots, the trailer; the holder serves it between polls;
-           ceiling: one contiguous MPI Send/Recv of the same bytes between the two ranks.
+  messages the MPI transport: one request, a message per block straight from the
+           holder's slot into the landing host slot, the trailer; the holder serves it
+           between polls; ceiling: one contiguous MPI Send/Recv of the same bytes
+           between the two ranks; next to it, MPI's own figure for the same blocks (a
+           plain Isend/Irecv per block between the same slots, Waitall on both sides).
 
 ``--upkeep`` measures something else: what the directory and the TP group's
 agreements add to the per-step cache bookkeeping (``kvdist.bench.remote_upkeep``).
