@@ -413,7 +413,7 @@ def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
                     dict(enumerate(parts.manager.space.capacity)),
                     rules=seams.remote_rules if seams is not None else None)
                 if remote is not None:
-                    parts.manager.host_observer = remote
+                    parts.manager.host_observer = remote.host
                     if seams is not None:
                         seams.remote = remote
     except BaseException:

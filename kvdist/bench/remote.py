@@ -62,7 +62,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="--upkeep: TP ranks per replica (default 2)")
     p.add_argument("--admit", type=int, default=2, help="--upkeep: prompts admitted a step (default 2)")
     p.add_argument("--decode", type=int, default=4,
-                   help="--upkeep: steps each sequence decodes (default 4; the batch is about admit x decode)")
+                   help="--upkeep: steps each sequence decodes (default 4; a batch of about admit x decode)")
     p.add_argument("--every", type=int, default=None,
                    help="--upkeep: directory messages every this many steps (default: the config's)")
     return p.parse_args(argv)

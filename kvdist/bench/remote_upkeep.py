@@ -124,6 +124,7 @@ def run_upkeep(args, comm) -> int:
     table = []
     for remote in (False, True):
         last = runs[remote][-1]
+        reused = sum(e["reused"] for e in last[::tp]) / max(sum(e["prompt"] for e in last[::tp]), 1)
         cpu, bound = fig(remote, "cpu"), fig(remote, "boundaries")
         table.append(["sharing" if remote else "isolated",
                       f"{1e6 * cpu:.0f}" + (f" (+{100 * (cpu - base) / base:.0f}%)" if remote else ""),
@@ -131,7 +132,7 @@ def run_upkeep(args, comm) -> int:
                                               if remote else ""),
                       f"{1e6 * fig(remote, 'admissions'):.0f}", f"{1e6 * fig(remote, 'rest'):.0f}",
                       f"{1e6 * fig(remote, 'agree'):.0f}",
-                      f"{100 * sum(e['reused'] for e in last[::tp]) / max(sum(e['prompt'] for e in last[::tp]), 1):.1f}%",
+                      f"{100 * reused:.1f}%",
                       f"{sum(e['remote_tokens'] for e in last[::tp]):,}",
                       f"{fig(remote, 'messages'):.2f}", f"{fig(remote, 'message_bytes'):,.0f}",
                       f"{fig(remote, 'records'):.0f}",

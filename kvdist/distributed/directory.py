@@ -2,8 +2,8 @@
 
 Each replica's ranks keep a *mirror* of every peer replica's host tier: per peer host
 slot, the hash of the block it holds (or nothing). Peers send their changes as
-records — ``(slot, held, hash)``, one per host slot whose block changed in a step —
-and a replica applies them at step boundaries, in an order its TP ranks agree on
+records — ``(slot, held, hash)``, one per host slot whose block changed since their
+last message — and a replica applies them at step boundaries, in an order its TP ranks agree on
 (``kvdist.distributed.remote``), so their mirrors are always equal. A mirror may be
 stale (the peer changed the slot since): fetches check the slot's stamp (R2).
 
@@ -155,7 +155,8 @@ class Directory:
 
     @property
     def nbytes(self) -> int:
-        return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + self.table.table.nbytes + self.table.at.nbytes
+        t = self.table
+        return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + t.table.nbytes + t.at.nbytes
 
     def __len__(self) -> int:
         """Blocks the peers hold (one per holder), as far as this mirror knows."""
@@ -173,7 +174,8 @@ class Directory:
         rec = messages[0][1] if len(messages) == 1 else np.concatenate([r for _, r in messages])
         slots = (rec[:, 0] >> np.uint64(1)).astype(np.int64)
         assert len(slots) == 0 or slots.max() < self.host_slots, "a record names a slot out of range"
-        g = slots + np.repeat(np.array(peers, dtype=np.int64) * self.host_slots, [len(r) for _, r in messages])
+        bases = np.array(peers, dtype=np.int64) * self.host_slots
+        g = slots + np.repeat(bases, [len(r) for _, r in messages])
         held, hi, lo = (rec[:, 0] & np.uint64(1)).astype(bool), rec[:, 1], rec[:, 2]
         if len(set(peers)) < len(peers):  # a peer's slot may be in two messages: the last stands
             _, last = np.unique(g[::-1], return_index=True)

@@ -1,13 +1,14 @@
 """The remote tier: one rank's part of sharing host tiers between replicas (docs/design.md,
 "Remote tier"; rules R1–R4).
 
-As a *holder* it stamps its host slots (``stamps``) as the manager fills and empties
-them, and at ``end_step`` sends the step's host-tier changes to the same TP rank of
-every other replica (``DirectoryChannel``). As a *fetcher* it looks a prompt's blocks
-that no local tier holds up in the directory, reserves landing slots, and has a
-transport copy each block from the holder's slot — its own shard, from the holder's
-rank with the same TP index. A block lands (becomes an ordinary cached block) only
-when every TP rank of the replica has it whole (R1); stale and late blocks are misses.
+As a *holder* (``host_changes.HostChanges``) it stamps its host slots as the manager
+fills and empties them, and every few steps, at ``end_step``, sends the host-tier
+changes to the same TP rank of every other replica (``DirectoryChannel``). As a
+*fetcher* it looks a prompt's blocks that no local tier holds up in the directory,
+reserves landing slots, and has a transport copy each block from the holder's slot —
+its own shard, from the holder's rank with the same TP index. A block lands (becomes
+an ordinary cached block) only when every TP rank of the replica has it whole (R1);
+stale and late blocks are misses.
 
 Step boundaries (``begin_step``) are where the replica's ranks agree: one MIN-reduce
 inside the TP group carries the directory message counts (R4: all apply the same
@@ -32,16 +33,17 @@ import xxhash
 from ..blocks import GPU, HOST
 from ..eviction import DEFAULT_PRIORITY
 from ..prefix import MASK64
-from .directory import Directory, encode
+from .directory import Directory
 from .directory_channel import DirectoryChannel
 from .fetch import DONE, GOOD, NOTBAD, REASONS, Batch, Transport
+from .host_changes import HostChanges, HostSlots
 from .stamps import SlotStamps
 
 ALL_RULES = frozenset({"R1", "R2", "R4"})
 _PREFETCH_RECORDS = 4096  # prefetches remembered for add_sequence's hit accounting
 
 
-class LocalSlots(Protocol):
+class LocalSlots(HostSlots, Protocol):
     """What the remote tier needs from this rank's manager (``kvdist.landing.ManagerSlots``)."""
 
     tokens_per_block: int
@@ -51,15 +53,11 @@ class LocalSlots(Protocol):
     def fits(self, seq_id: Hashable, n_tokens: int, hashes: list[int]) -> bool: ...
     def cached_prefix(self, hashes: list[int]) -> list[int]: ...
     def tier_of(self, h: int) -> int | None: ...
-    def stamps_of(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
-    def cached(self, slots: np.ndarray) -> np.ndarray: ...
     def reserve(self, tier: int, n: int) -> list[int]: ...
     def land(self, slot: int, h: int, priority: int = DEFAULT_PRIORITY) -> bool: ...
     def release(self, slot: int) -> None: ...
     def landing_slots(self) -> np.ndarray: ...
     def pending_events(self, slots) -> list: ...
-    def writes_pending(self, slots) -> np.ndarray: ...
-    def tier_base(self, tier: int) -> int: ...
 
 
 @dataclass(slots=True)
@@ -101,7 +99,6 @@ class RemoteTier:
         self.replica, self.num_replicas = replica, num_replicas
         self.bpb = bytes_per_block
         self.tpb = slots.tokens_per_block
-        self.host_base = slots.tier_base(HOST)
         # At most half a tier's slots wait for fetches at once (the rest keeps caching).
         self.landing_cap = {t: n // 2 for t, n in capacity.items()}
         self.landing_used = dict.fromkeys(capacity, 0)
@@ -111,9 +108,7 @@ class RemoteTier:
         # happen at the same steps.
         self.every = directory_every
         self.steps = 0  # end_steps so far
-        self._touched: list[int] = []  # local host slots changed since the last message (repeats)
-        self._filled: list[int] = []  # local host slots filled since the last _publish (repeats)
-        self._waiting: list[int] = []  # filled, their copy still running at the last _publish
+        self.host = HostChanges(stamps, slots, channel)  # the holder's side: the manager's HostObserver
         self.inflight: list[Batch] = []  # batches not settled, in start order
         self.landing: dict[int, Batch] = {}  # hash -> batch fetching it (until decided)
         self._prefetch: dict[Hashable, list[Batch]] = {}
@@ -125,47 +120,6 @@ class RemoteTier:
         self._unique = {id(t): t for t in (*transports.values(), server)}
         self._servers = [t for t in self._unique.values() if t.serves]  # holders that take part
         self._server = server
-
-    # -- the holder: the manager's host slots (HostObserver) --------------------------------------
-    def host_filled(self, slot: int) -> None:
-        local = slot - self.host_base
-        self.stamps.invalidate_one(local)
-        self._touched.append(local)
-        self._filled.append(local)
-
-    def host_emptied(self, slot: int) -> None:
-        local = slot - self.host_base
-        self.stamps.invalidate_one(local)
-        self._touched.append(local)
-
-    def _publish(self) -> None:
-        """Stamp valid the host slots filled whose incoming copy is complete (one
-        emptied again meanwhile stays invalid; one whose copy still runs waits)."""
-        if not (self._filled or self._waiting):
-            return
-        fresh = set(self._filled)
-        fresh.update(self._waiting)
-        self._filled.clear()
-        local = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
-        slots = local + self.host_base
-        local, slots = local[self.slots.cached(slots)], slots[self.slots.cached(slots)]
-        pending = self.slots.writes_pending(slots)
-        ready = ~pending
-        self.stamps.publish(local[ready], *self.slots.stamps_of(slots[ready]))
-        self._waiting = local[pending].tolist()
-
-    def _send_directory(self) -> None:
-        """The host slots changed since the last message, as they are now, to every peer."""
-        if not self._touched:
-            return
-        touched = set(self._touched)
-        self._touched.clear()
-        local = np.fromiter(touched, dtype=np.int64, count=len(touched))
-        local.sort()
-        slots = local + self.host_base
-        held = self.slots.cached(slots)
-        hi, lo = self.slots.stamps_of(slots)
-        self.channel.send(encode(local, held, hi * held, lo * held))
 
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = (), directory: bool = True) -> None:
@@ -208,8 +162,8 @@ class RemoteTier:
         t0 = time.perf_counter()
         self.steps += 1
         if self.steps % self.every == 0:
-            self._publish()  # first: a peer may ask for a block as soon as it hears of it
-            self._send_directory()
+            self.host.publish()  # first: a peer may ask for a block as soon as it hears of it
+            self.host.send()
         self.counters.upkeep_seconds += time.perf_counter() - t0
         self.service(directory=False)
 
