@@ -57,6 +57,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--fetcher", type=int, default=1,
                    help="the fetching rank (rank 0 holds); on two nodes pick one on the other node")
+    p.add_argument("--holder-step-ms", type=float, default=0.0,
+                   help="the holder answers only between steps of this many ms (busy, no MPI call), "
+                        "as a serving holder does (the contiguous transfer then waits for its step "
+                        "too); default 0: it answers at once")
     p.add_argument("--upkeep", action="store_true", help="measure directory upkeep instead (any -n)")
     p.add_argument("--steps", type=int, default=300, help="--upkeep: steps per run (default 300)")
     p.add_argument("--tp", type=int, default=2, help="--upkeep: TP ranks per replica (default 2)")
@@ -191,6 +195,13 @@ def _blocks(comm, peer: int, rows: np.ndarray, slots: np.ndarray, send: bool) ->
     MPI.Request.Waitall([op([rows[s], MPI.BYTE], peer, 95) for s in slots.tolist()])
 
 
+def _busy(seconds: float) -> None:
+    """A step of the holder's own work: no MPI call (a forward pass)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _serve(args, comm, holder: Holder | None, nbytes: int, slots: np.ndarray) -> None:
     """Rank 0 (and idle ranks): answer fetches until the fetcher says stop; send the
     contiguous ceiling's bytes, and the blocks as plain MPI messages."""
@@ -205,6 +216,8 @@ def _serve(args, comm, holder: Holder | None, nbytes: int, slots: np.ndarray) ->
         if done:
             break
         holder.server.service()
+        if args.holder_step_ms:
+            _busy(args.holder_step_ms / 1000)
         if comm.Iprobe(source=fetcher, tag=98):
             if comm.recv(source=fetcher, tag=98) == "blocks":
                 _blocks(comm, fetcher, holder.pool.raw.numpy(), slots, send=True)
