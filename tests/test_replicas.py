@@ -42,6 +42,8 @@ def test_world_not_a_multiple_of_tp_size_names_key_and_both_numbers():
     ({"distributed": {"tp_size": -1}}, "distributed.tp_size", "-1"),
     ({"distributed": {"remote": {"fetch_timeout_ms": 0}}}, "distributed.remote.fetch_timeout_ms", "0"),
     ({"distributed": {"remote": {"transport": "pigeons"}}}, "distributed.remote.transport", "pigeons"),
+    ({"distributed": {"remote": {"directory_every_steps": 0}}},
+     "distributed.remote.directory_every_steps", "0"),
     ({"distributed": {"remote": {"enabled": True}}}, "distributed.remote.enabled", "host tier"),
     ({"distributed": {"remote": {"enabeld": True}}}, "distributed.remote.enabeld", "unknown key"),
 ])
