@@ -21,6 +21,7 @@ from .errors import CacheClosedError, ConsistencyError, StepOrderError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES
 from .landing import ManagerSlots
 from .layout import KVLayout
+from .manager import token_array
 from .seams import Seams
 from .transfer import SimulatedCompute
 
@@ -104,8 +105,7 @@ class KVCache:
         remote = self._remote
         if remote is None:
             return manager.add_sequence(seq_id, tokens, priority)
-        if not isinstance(tokens, list | tuple):
-            tokens = list(tokens)
+        tokens = token_array(tokens)  # once, for the remote tier's hashes and the manager
         valid = isinstance(priority, int) and not isinstance(priority, bool) and \
             0 <= priority < NUM_PRIORITIES
         fits = remote.slots.fits

@@ -56,7 +56,9 @@ def token_array(tokens: Iterable[int]) -> array:
     """Token ids as an int32 array, converted whole before anything changes. Ids are
     opaque to the cache (hashed, never indexed): any int32 is accepted, negative ones
     included, and a bool is the int it equals (Python's ``True == 1``). Anything else
-    (a float, a str, an id outside int32) raises ValueError."""
+    (a float, a str, an id outside int32) raises ValueError. An int32 array is copied."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens[:]
     if not isinstance(tokens, list | tuple):
         tokens = list(tokens)  # a generator that raises midway raises here
     tok = array("i")

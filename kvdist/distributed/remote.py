@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -273,7 +273,7 @@ class RemoteTier:
             batches.append(b)
         return batches
 
-    def _reusable(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+    def _reusable(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """(hashes of the full blocks, the leading ones add_sequence may reuse)."""
         full = self.slots.block_hashes(tokens)
         return full, full[: max(len(tokens) - 1, 0) // self.tpb]
@@ -353,7 +353,7 @@ class RemoteTier:
         return landed
 
     # -- add_sequence ----------------------------------------------------------------------------------
-    def before_add(self, seq_id: Hashable, tokens: list[int], fits) -> tuple[list[int], dict[int, int]]:
+    def before_add(self, seq_id: Hashable, tokens: Sequence[int], fits) -> tuple[list[int], dict[int, int]]:
         """Fetch what the prompt needs from peers (unless ``fits(hashes)`` says it does
         not fit: then nothing changes and add_sequence raises). Returns the hashes of
         its full blocks (for add_sequence) and the tier each block fetched for it is in
