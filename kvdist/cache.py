@@ -157,12 +157,16 @@ class KVCache:
             raise StepOrderError("end_step without begin_step")
         self._in_step = False
         manager.end_step()
-        if self._remote is not None:
-            self._remote.end_step()
         policy = manager.policy
-        if policy.enabled and len(self.tiers) > 1:
-            # Timing-dependent figures differ per rank: decide from the TP group's (MIN).
-            policy.agree(self._replicas.tp.allreduce_min(policy.local_figures(), "fetch policy figures"))
+        # Timing-dependent figures differ per rank: decide from the TP group's (MIN). The
+        # remote tier's agreement rides on that MIN-reduce.
+        figures = policy.local_figures() if policy.enabled and len(self.tiers) > 1 else None
+        if self._remote is not None:
+            figures = self._remote.end_step(figures)
+        elif figures is not None:
+            figures = self._replicas.tp.allreduce_min(figures, "fetch policy figures")
+        if figures is not None:
+            policy.agree(figures)
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
 

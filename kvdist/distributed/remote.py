@@ -116,6 +116,7 @@ class RemoteTier:
         self._prefetched: dict[Hashable, set[int]] = {}  # seq -> hashes landed for it
         self.counters = RemoteCounters()
         self.local_prefix: list[int] | None = None  # see _plan
+        self._agreed: np.ndarray | None = None  # directory counts the last end_step agreed on
         # Every transport once (one message transport serves all peers, and answers them).
         self._unique = {id(t): t for t in (*transports.values(), server)}
         self._servers = [t for t in self._unique.values() if t.serves]  # holders that take part
@@ -140,52 +141,88 @@ class RemoteTier:
         """The replica agrees on the directory prefix to apply and on every in-flight
         block's verdict, and acts on both (one MIN-reduce inside the TP group), at
         boundaries with blocks in flight and every ``every`` steps (the same boundaries
-        on every TP rank: they have the same blocks in flight and step counts)."""
+        on every TP rank: they have the same blocks in flight and step counts). When
+        the last ``end_step`` agreed already (riding on the step's own MIN-reduce), it
+        applies that agreed prefix every ``every`` steps and agrees nothing here."""
+        if self._agreed is not None:
+            self.service(directory=False)
+            if self.steps % self.every == 0:
+                t0 = time.perf_counter()
+                self._apply(self._agreed)
+                self.counters.upkeep_seconds += time.perf_counter() - t0
+            return
         agree = bool(self.inflight) or self.steps % self.every == 0
         self.service(directory=agree)
-        if not agree:
-            return
-        t0 = time.perf_counter()
-        counts = self.channel.counts()
-        agreed_counts, verdicts = self._agree(counts, self.inflight, "remote tier: step agreement")
-        t1 = time.perf_counter()
-        self.directory.apply([(peer, records) for peer in range(self.num_replicas)
-                              for records in self.channel.take(peer, int(agreed_counts[peer]))])
-        self._decide(self.inflight, verdicts)
-        self.inflight = [b for b in self.inflight if not b.settled]
-        self.counters.agree_seconds += t1 - t0
-        self.counters.upkeep_seconds += time.perf_counter() - t1
+        if agree:
+            self._agree_and_act()
 
-    def end_step(self) -> None:
+    def end_step(self, extra: list[int] | None = None) -> list[int] | None:
         """Every ``every`` steps: stamp valid what landed in the host tier and tell the
-        peers what changed in it (they cannot ask for a block before they hear of it)."""
+        peers what changed in it (they cannot ask for a block before they hear of it).
+        ``extra``: figures the caller MIN-reduces over the TP group at every step (the
+        fetch policy's); the replica's agreement rides on that MIN-reduce, and the
+        agreed ``extra`` is returned (None when there was none)."""
         t0 = time.perf_counter()
         self.steps += 1
         if self.steps % self.every == 0:
             self.host.publish()  # first: a peer may ask for a block as soon as it hears of it
             self.host.send()
         self.counters.upkeep_seconds += time.perf_counter() - t0
-        self.service(directory=False)
+        self.service(directory=extra is not None)
+        if extra is None:
+            self._agreed = None
+            return None
+        return self._agree_and_act(extra, apply=False)
+
+    def _agree_and_act(self, extra: list[int] | None = None, apply: bool = True) -> list[int] | None:
+        """One MIN-reduce of the directory counts, the in-flight blocks' bits (and
+        ``extra``); decide those blocks; apply the agreed prefix now (``apply``) or keep
+        it for the next directory boundary."""
+        t0 = time.perf_counter()
+        counts = self.channel.counts()
+        agreed_counts, verdicts, agreed_extra = self._agree(counts, self.inflight,
+                                                            "remote tier: step agreement", extra)
+        t1 = time.perf_counter()
+        if apply:
+            self._apply(agreed_counts)
+            self._agreed = None
+        else:
+            self._agreed = agreed_counts
+        self._decide(self.inflight, verdicts)
+        self.inflight = [b for b in self.inflight if not b.settled]
+        self.counters.agree_seconds += t1 - t0
+        self.counters.upkeep_seconds += time.perf_counter() - t1
+        return agreed_extra
+
+    def _apply(self, agreed_counts: np.ndarray) -> None:
+        """The directory messages up to the agreed count of each peer."""
+        self.directory.apply([(peer, records) for peer in range(self.num_replicas)
+                              for records in self.channel.take(peer, int(agreed_counts[peer]))])
 
     # -- agreement and verdicts -----------------------------------------------------------------------
-    def _agree(self, counts: np.ndarray | None, batches: list[Batch],
-               what: str) -> tuple[np.ndarray | None, np.ndarray]:
-        """(directory counts, outcome bits per block of ``batches``) as the replica's ranks
-        agree on them: MIN of the counts, AND of the bits (as MIN of each 0/1 bit)."""
+    def _agree(self, counts: np.ndarray | None, batches: list[Batch], what: str,
+               extra: list[int] | None = None) -> tuple[np.ndarray | None, np.ndarray, list[int] | None]:
+        """(directory counts, outcome bits per block of ``batches``, ``extra``) as the
+        replica's ranks agree on them: MIN of the counts and of ``extra`` (a caller's own
+        figures riding along), AND of the bits (as MIN of each 0/1 bit)."""
         states = (np.concatenate([b.state for b in batches]) if batches
                   else np.zeros(0, dtype=np.uint8)).astype(np.int64)
-        if self.tp.size == 1 or ("R1" not in self.rules and "R4" not in self.rules):
-            return counts, states.astype(np.uint8)
+        ride = [] if extra is None else list(extra)
+        if self.tp.size == 1 or ("R1" not in self.rules and "R4" not in self.rules and not ride):
+            return counts, states.astype(np.uint8), extra
         bits = [(states & bit) != 0 for bit in (GOOD, DONE, NOTBAD)]
-        mine = np.concatenate([counts if counts is not None else np.zeros(0, dtype=np.int64), *bits])
+        mine = np.concatenate([np.array(ride, dtype=np.int64),
+                               counts if counts is not None else np.zeros(0, dtype=np.int64), *bits])
         out = self.tp.allreduce_min_array(mine, what)
+        agreed_extra = None if extra is None else out[:len(ride)].tolist()
+        out = out[len(ride):]
         n = 0 if counts is None else len(counts)
         agreed_counts = out[:n] if "R4" in self.rules else counts
         if "R1" in self.rules:
             k = len(states)
             g, d, nb = out[n:n + k], out[n + k:n + 2 * k], out[n + 2 * k:n + 3 * k]
             states = g * GOOD + d * DONE + nb * NOTBAD
-        return agreed_counts, states.astype(np.uint8)
+        return agreed_counts, states.astype(np.uint8), agreed_extra
 
     def _decide(self, batches: list[Batch], verdicts: np.ndarray) -> set[int]:
         """Act on the replica's verdicts, in batch order: land blocks every rank has
@@ -345,7 +382,7 @@ class RemoteTier:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         t1 = time.perf_counter()
-        _, verdicts = self._agree(None, batches, "remote tier: fetched blocks")
+        _, verdicts, _ = self._agree(None, batches, "remote tier: fetched blocks")
         landed = self._decide(batches, verdicts)
         self.inflight.extend(b for b in batches if not b.settled)
         self.counters.pull_seconds += t1 - t0

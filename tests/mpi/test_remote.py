@@ -74,11 +74,14 @@ def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport)
         r.cache.close()
 
 
+@pytest.mark.parametrize("ride", [True, False], ids=["agreed-at-end_step", "agreed-at-begin_step"])
 @pytest.mark.parametrize("inside_a_step", [True, False], ids=["in-step", "between-steps"])
-def test_prefetch_lands_before_admission(world, inside_a_step):
+def test_prefetch_lands_before_admission(world, inside_a_step, ride):
     """A prefetch starts the blocks at once inside a step, else right after the next
-    begin_step; the begin_step after that agrees they landed."""
-    r = _open(world)
+    begin_step. The next agreement says they landed: that step's end_step when the
+    agreement rides on the fetch policy's per-step MIN-reduce (``ride``), else the next
+    begin_step."""
+    r = _open(world, policy=ride)
     try:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
@@ -92,8 +95,10 @@ def test_prefetch_lands_before_admission(world, inside_a_step):
                 r.d.end()
             else:
                 r.step()  # its begin_step starts the fetch
-                assert not r.cache.prefetch_ready("p")
-            r.step()  # its begin_step agrees the blocks landed
+            if DEVICE == "cpu":  # the copies ran at once
+                assert r.cache.prefetch_ready("p") == ride
+            if not r.cache.prefetch_ready("p"):
+                r.step()  # its begin_step agrees the blocks landed (or its end_step, on CUDA)
             assert r.cache.prefetch_ready("p")
             assert r.step({"p": PROMPT}) == {"p": FULL * 4}
             s = r.cache.stats()
@@ -206,17 +211,19 @@ def test_r1_one_tp_rank_fails_its_fetch(world, monkeypatch, rule_on):
         r.cache.close()
 
 
-@pytest.mark.parametrize("every", [1, 8], ids=["every-step", "every-8-steps"])
+@pytest.mark.parametrize("every,ride", [(1, True), (8, True), (8, False)],
+                         ids=["every-step", "every-8-steps", "every-8-steps-at-begin_step"])
 @pytest.mark.parametrize("rule_on", [True, False], ids=["R4", "R4-off"])
-def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on, every):
+def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on, every, ride):
     """The fetcher's last TP rank gets the holder's directory messages steps later than
     the others. With R4 the replica applies only what all have: its ranks' directories
     (and so their decisions) stay equal at every step; without it they differ. Also
-    with messages (and agreements) every 8 steps, the default."""
+    with messages every 8 steps (the default), the agreement riding on the step's own
+    MIN-reduce at end_step (the default) or made at begin_step."""
     T = tp_size(world.size)
     if T < 2:
         pytest.skip("needs TP ranks")
-    r = _open(world, ALL if rule_on else ALL - {"R4"}, every=every)
+    r = _open(world, ALL if rule_on else ALL - {"R4"}, every=every, policy=ride)
     try:
         if r.replica == FETCHER and r.cache.tp_rank == T - 1:
             r.remote.channel.hold(True)
