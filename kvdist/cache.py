@@ -161,12 +161,10 @@ class KVCache:
         # Timing-dependent figures differ per rank: decide from the TP group's (MIN). The
         # remote tier's agreement rides on that MIN-reduce.
         figures = policy.local_figures() if policy.enabled and len(self.tiers) > 1 else None
-        if self._remote is not None:
-            figures = self._remote.end_step(figures)
-        elif figures is not None:
-            figures = self._replicas.tp.allreduce_min(figures, "fetch policy figures")
+        agreed = self._remote.end_step(figures) if self._remote is not None else None
         if figures is not None:
-            policy.agree(figures)
+            policy.agree(agreed if agreed is not None else
+                         self._replicas.tp.allreduce_min(figures, "fetch policy figures"))
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
 

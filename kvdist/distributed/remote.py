@@ -10,9 +10,10 @@ its own shard, from the holder's rank with the same TP index. A block lands (bec
 an ordinary cached block) only when every TP rank of the replica has it whole (R1);
 stale and late blocks are misses.
 
-Step boundaries (``begin_step``) are where the replica's ranks agree: one MIN-reduce
-inside the TP group carries the directory message counts (R4: all apply the same
-prefix) and every in-flight block's outcome bits (R1). Nothing after start-up is
+Step boundaries are where the replica's ranks agree: one MIN-reduce inside the TP
+group (at ``begin_step``, or at ``end_step`` riding on the fetch policy's) carries the
+directory message counts (R4: all apply the same prefix) and every in-flight block's
+outcome bits (R1). Nothing after start-up is
 collective across replicas (R3); a fetch waits at most ``fetch_timeout_ms``.
 
 ``add_sequence`` pulls a prompt's remote blocks itself (waiting up to the timeout)
@@ -160,18 +161,21 @@ class RemoteTier:
         """Every ``every`` steps: stamp valid what landed in the host tier and tell the
         peers what changed in it (they cannot ask for a block before they hear of it).
         ``extra``: figures the caller MIN-reduces over the TP group at every step (the
-        fetch policy's); the replica's agreement rides on that MIN-reduce, and the
-        agreed ``extra`` is returned (None when there was none)."""
+        fetch policy's). When the next ``begin_step`` would agree (blocks in flight, or a
+        directory boundary), the agreement rides on that MIN-reduce now and the agreed
+        ``extra`` is returned; otherwise None (the caller reduces its figures itself)."""
         t0 = time.perf_counter()
         self.steps += 1
         if self.steps % self.every == 0:
             self.host.publish()  # first: a peer may ask for a block as soon as it hears of it
             self.host.send()
         self.counters.upkeep_seconds += time.perf_counter() - t0
-        self.service(directory=extra is not None)
-        if extra is None:
-            self._agreed = None
+        due = bool(self.inflight) or self.steps % self.every == 0  # the same on every TP rank
+        self._agreed = None
+        if extra is None or not due:
+            self.service(directory=False)
             return None
+        self.service()
         return self._agree_and_act(extra, apply=False)
 
     def _agree_and_act(self, extra: list[int] | None = None, apply: bool = True) -> list[int] | None:
