@@ -144,13 +144,13 @@ class RemoteTier:
         boundaries with blocks in flight and every ``every`` steps (the same boundaries
         on every TP rank: they have the same blocks in flight and step counts). When
         the last ``end_step`` agreed already (riding on the step's own MIN-reduce), it
-        applies that agreed prefix every ``every`` steps and agrees nothing here."""
+        applies that agreed prefix and agrees nothing here."""
         if self._agreed is not None:
             self.service(directory=False)
-            if self.steps % self.every == 0:
-                t0 = time.perf_counter()
-                self._apply(self._agreed)
-                self.counters.upkeep_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._apply(self._agreed)
+            self._agreed = None
+            self.counters.upkeep_seconds += time.perf_counter() - t0
             return
         agree = bool(self.inflight) or self.steps % self.every == 0
         self.service(directory=agree)
@@ -181,7 +181,7 @@ class RemoteTier:
     def _agree_and_act(self, extra: list[int] | None = None, apply: bool = True) -> list[int] | None:
         """One MIN-reduce of the directory counts, the in-flight blocks' bits (and
         ``extra``); decide those blocks; apply the agreed prefix now (``apply``) or keep
-        it for the next directory boundary."""
+        it for the next begin_step."""
         t0 = time.perf_counter()
         counts = self.channel.counts()
         agreed_counts, verdicts, agreed_extra = self._agree(counts, self.inflight,
