@@ -87,7 +87,8 @@ class MessageTransport:
     name = "messages"
     serves = True  # the holder answers requests (service)
 
-    def __init__(self, cross, host_raw, stamps: SlotStamps, slots, rules: set[str], fail: bool = False):
+    def __init__(self, cross, host_raw, stamps: SlotStamps, slots, rules: set[str], fail: bool = False,
+                 first_id: int = 0):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -98,7 +99,10 @@ class MessageTransport:
         self.host_base = slots.tier_base(HOST)
         self.rules = rules
         self.fail = fail
-        self._next_id = 0
+        # Request ids start at the job's token: an answer of an earlier cache in the same
+        # processes (MPI reuses a freed communicator's context) carries another id, so its
+        # trailer never vouches for this cache's blocks, and its tags almost never match.
+        self._next_id = first_id
         self._sends: deque[tuple] = deque()  # (request, keep-alive) of sends not complete
         self._incoming: list[tuple] = []  # (request, buffer, source) of requests being received
         self._serving: list[tuple] = []  # answers whose blocks are being sent

@@ -145,7 +145,8 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
     rc = cfg.distributed.remote
     rules = set(enforced)  # the tier's rule set, read by its transports too
     fail = faults.active("remote_fetch", layout.rank)
-    messages = MessageTransport(replicas.cross, host.raw, stamps, slots, rules, fail)
+    messages = MessageTransport(replicas.cross, host.raw, stamps, slots, rules, fail,
+                                first_id=plan.token & ((1 << 48) - 1))
     built.append(messages)
     copier = None
     transports = {}
