@@ -113,3 +113,20 @@ def test_directory_applies_a_steps_records_at_once_and_finds_every_holder():
     assert [d.holder(g) for g in d.match(h[2:4])] == [(2, 5), (2, 6)]
     with pytest.raises(AssertionError):
         d.apply([(0, rec([1], [1], h[:1]))])  # its own replica
+
+
+def test_directory_entries_past_a_full_bucket_spill_and_are_found():
+    """200 blocks whose hashes all fall into one bucket of 16: the rest spill; every one
+    is found, deletes reach spilled entries too, the table stays consistent."""
+    d = Directory(2, 0, 200)
+    lo = np.arange(200, dtype=np.uint64) * np.uint64(d.table.mask + 1) + np.uint64(3)  # one bucket
+    every = np.arange(200, dtype=np.int32)
+    d.apply([(1, encode(every, np.ones(200, dtype=np.int32), np.ones(200, dtype=np.uint64), lo))])
+    d.check_invariants()
+    assert sum(map(len, d.table.spill.values())) == 200 - 16
+    assert [d.table.find(1, int(x)) for x in lo] == (200 + every).tolist()
+    d.apply([(1, encode(every[::2], np.zeros(100, dtype=np.int32), np.zeros(100, dtype=np.uint64),
+                        np.zeros(100, dtype=np.uint64)))])  # the even slots let their blocks go
+    d.check_invariants()
+    assert len(d) == 100
+    assert [d.table.find(1, int(x)) for x in lo] == [200 + s if s % 2 else -1 for s in range(200)]
