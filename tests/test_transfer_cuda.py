@@ -117,10 +117,12 @@ def test_scenario_rule_off_goes_wrong_on_cuda(cfg_factory, name):
         assert h.expired == 0
 
 
-def test_batched_path_is_used_and_visible_in_stats(cfg_factory):
-    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
+    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch and
+    layer group (the test geometry has 2 layers: 2 groups at most)."""
     seams = Seams()
-    cache = kvdist.testing.create(cfg_factory(gpu=64, host=64, device="cuda"), seams)
+    cache = kvdist.testing.create(cfg_factory(gpu=64, host=64, device="cuda", layer_groups=groups), seams)
     try:
         ex = seams.executor
         if ex.copier.batch_api is None:
@@ -137,8 +139,8 @@ def test_batched_path_is_used_and_visible_in_stats(cfg_factory):
         cache.synchronize()
         assert torch.equal(h[torch.as_tensor(dst)], g[torch.as_tensor(src)].cpu())
         st = cache.stats()["transfer"]
-        assert st["batches_by_path"] == {"memcpy-batch": 1}
-        assert st["copy_calls_by_path"] == {"memcpy-batch": 1}
+        assert st["batches_by_path"] == {"memcpy-batch": groups}
+        assert st["copy_calls_by_path"] == {"memcpy-batch": groups}
         assert cache.stats()["transfer_path"] == "memcpy-batch"
     finally:
         cache.close()

@@ -132,10 +132,13 @@ def _quiet_barrier(comm) -> None:
         time.sleep(0.001)
 
 
-def _contiguous(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """One copy of all the bytes: a DMA into CUDA memory, a memcpy on the host."""
+def _contiguous(dst: torch.Tensor, src: torch.Tensor, chunk_rows: int) -> None:
+    """All the bytes in one copy per CUDA registration of ``src`` (a pinned host tier
+    is registered in chunks of ``chunk_rows`` blocks, and the driver refuses a copy that
+    spans two): a DMA into CUDA memory, a memcpy on the host."""
     if dst.device.type == "cuda":
-        dst.copy_(src, non_blocking=True)
+        for lo in range(0, len(src), chunk_rows):
+            dst[lo:lo + chunk_rows].copy_(src[lo:lo + chunk_rows], non_blocking=True)
     else:
         np.copyto(dst.numpy(), src.numpy())
 
@@ -260,10 +263,12 @@ def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
     for _ in range(args.rounds + 1):
         if same_node:
             add("shared", _fetch(shared, _batch(src, dst, GPU)))
-            add("shared_contiguous", _timed(lambda: _contiguous(gpu.raw[:n], peer.raw[:n]), device))
+            add("shared_contiguous",
+                _timed(lambda: _contiguous(gpu.raw[:n], peer.raw[:n], peer.chunk_blocks), device))
             if pin:
                 add("own_pinned_contiguous",
-                    _timed(lambda: _contiguous(gpu.raw[:n], landing_host.raw[:n]), device))
+                    _timed(lambda: _contiguous(gpu.raw[:n], landing_host.raw[:n], landing_host.chunk_blocks),
+                           device))
         add("messages", _fetch(messages, _batch(src, dst, HOST), serve=messages.service))
         t0 = time.perf_counter()
         comm.send("blocks", dest=0, tag=98)

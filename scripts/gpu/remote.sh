@@ -25,11 +25,11 @@ echo "== remote-tier MPI tests, GPU tier on cuda:0" | tee -a "$LOG"
 KVDIST_TEST_DEVICE=cuda:0 MPIEXEC_TIMEOUT=300 timeout 320 "$MPIEXEC" -n 4 python3 -m mpi4py -m pytest -q \
     --with-mpi -m mpi -p no:cacheprovider tests/mpi/test_remote.py 2>&1 | tail -25 | tee -a "$LOG"
 echo "== bench remote, 2 ranks, landing on $DEVICE" | tee -a "$LOG"
-MPIEXEC_TIMEOUT=400 timeout 420 "$MPIEXEC" -n 2 python3 -m kvdist bench remote --device "$DEVICE" \
+MPIEXEC_TIMEOUT=400 timeout 420 "$MPIEXEC" -n 2 python3 -m mpi4py -m kvdist bench remote --device "$DEVICE" \
     --json "$OUT/bench-remote.json" 2>&1 | grep -v "still referenced" | tee -a "$LOG"
 for tp in 1 2; do
     echo "== bench remote --upkeep, 8 ranks, TP $tp" | tee -a "$LOG"
-    MPIEXEC_TIMEOUT=300 timeout 320 "$MPIEXEC" -n 8 python3 -m kvdist bench remote --upkeep --tp $tp \
+    MPIEXEC_TIMEOUT=300 timeout 320 "$MPIEXEC" -n 8 python3 -m mpi4py -m kvdist bench remote --upkeep --tp $tp \
         --steps 500 --rounds 3 2>&1 | grep -v "still referenced" | tee -a "$LOG"
 done
 echo "== bench remote across the two-node test bed (exit 77: no bed here)" | tee -a "$LOG"
