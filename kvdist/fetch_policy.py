@@ -20,7 +20,11 @@ blocks after it when that is cheaper than fetching it. With no figure yet for a 
 Ranks of one TP group must cut identically, but their measured figures differ. So
 decisions use only *agreed* figures: each rank's figures are MIN-reduced (the
 slowest rank bounds both a fetch and a recompute) at every step boundary
-(``KVCache.end_step``) and take effect from the next step on."""
+(``KVCache.end_step``) and take effect from the next step on.
+
+The same figures decide where evicted blocks go: a tier whose blocks would never be
+fetched back (``worth_storing``) receives none; a host block evicted then is dropped
+rather than demoted, so a slow disk costs no write traffic either."""
 
 from __future__ import annotations
 
@@ -93,6 +97,19 @@ class FetchPolicy:
             if total < best:  # strictly: fetch only when faster
                 best, best_k = total, i + 1
         return best_k
+
+    def worth_storing(self, tier: int) -> bool:
+        """Whether a block moved into ``tier`` could ever be fetched back (it is not
+        dearer to copy than to recompute by the agreed figures). When it could not,
+        moving blocks there is write traffic for nothing: the manager drops them
+        instead (and keeps no room free there ahead of time). Agreed figures only, so
+        the ranks of a TP group decide alike."""
+        if not self.enabled or tier == GPU:
+            return True
+        bw, rate = self.agreed[tier - 1], self.agreed[2]  # FIGURES: host, disk, prefill
+        if bw >= UNKNOWN or rate >= UNKNOWN:
+            return True
+        return self.bpb / bw < self.tpb / rate
 
     def record(self, tiers: list[int], k: int) -> None:
         """Count the cold blocks of a prefix fetched (before ``k``) and given up."""

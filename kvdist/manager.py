@@ -238,6 +238,8 @@ class CacheManager:
         self.counters.evictions[tier] += 1
         if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
             for along in self._colder[tier]:
+                if not self.policy.worth_storing(along.dst):
+                    continue  # never fetched back from there: drop, do not write it
                 dst = self._take_slot(along.dst)
                 if dst != NO_SLOT:
                     self._move(slot, dst, along)
@@ -414,7 +416,7 @@ class CacheManager:
         self._deferred_release.clear()
         for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, fetches
             self.policy.observe_copy(copied.src, nbytes, seconds)
-        if len(self.free[HOST] or ()) < self.demote_ahead:
+        if len(self.free[HOST] or ()) < self.demote_ahead and self.policy.worth_storing(DISK):
             # Writes start now and run during the next forward pass, so the next
             # step's offloads land in host slots no disk write is still reading.
             self._make_free(HOST, self.demote_ahead)

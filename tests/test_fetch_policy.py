@@ -55,6 +55,15 @@ def test_unknown_figures_fetch_and_decisions_are_counted(policy):
     assert k == 2 and policy.counts.fetched == [0, 1, 0] and policy.counts.recomputed == [0, 1, 1]
 
 
+def test_a_tier_dearer_than_recomputing_is_not_worth_storing(policy):
+    assert policy.worth_storing(HOST) and not policy.worth_storing(DISK)  # 1 ms, 10 ms vs 4 ms
+    assert policy.worth_storing(GPU)
+    assert FetchPolicy(1000, 4).worth_storing(DISK)  # nothing measured: store, to measure
+    off = FetchPolicy(1000, 4, enabled=False)
+    off.agree(FIGURES)
+    assert off.worth_storing(DISK)
+
+
 def test_local_figures_are_running_means():
     p = FetchPolicy(1000, 4)
     assert p.local_figures() == [UNKNOWN] * 3
@@ -114,5 +123,41 @@ def test_a_throttled_disk_is_turned_down_and_host_hits_still_reused(cfg_factory)
         assert s["fetched_blocks"]["host"] > 0
         assert d.mismatched_tokens == 0 and d.checked_tokens > 0
         cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_once_the_disk_is_turned_down_host_evictions_drop_instead_of_demoting(cfg_factory):
+    """A disk slower than recomputing gets no more demotions: a host block evicted then
+    is dropped (no write traffic for a block nobody will fetch back), while before the
+    disk figure is known host evictions demote as usual. Bytes stay right."""
+    cfg = cfg_factory(gpu=4, host=3, disk=8)
+    cfg["cache"]["disk"]["max_read_bytes_per_s"] = 20_000
+    seams = Seams()
+    cache = kvdist.testing.create(cfg, seams)
+    try:
+        d = IntegrityDriver(cache)
+        demotes_after_turned_down = drops_after = 0
+        for i in range(32):
+            tokens = list(range(100 * (i % 4), 100 * (i % 4) + 12)) + [999]
+            turned_down = cache.stats()["fetch_policy"]["disk_bytes_per_s"] is not None
+            before = cache.stats()
+            d.begin()
+            d.add(i, tokens)
+            d.compute()
+            cache.observe_prefill(400, 1.0)
+            d.end()
+            d.release(i)
+            after = cache.stats()
+            if turned_down:
+                moved, was = after["blocks_moved"], before["blocks_moved"]
+                demotes_after_turned_down += moved["demote"] - was["demote"]
+                drops_after += after["dropped"] - before["dropped"]
+            cache.check_invariants()
+        s = cache.stats()
+        assert s["fetch_policy"]["disk_bytes_per_s"] is not None  # the disk was measured ...
+        assert s["blocks_moved"]["demote"] > 0  # ... after demotions put blocks there
+        assert demotes_after_turned_down == 0 and drops_after > 0
+        assert d.mismatched_tokens == 0 and d.checked_tokens > 0
     finally:
         cache.close()
