@@ -46,9 +46,11 @@ class KVCache:
     """One rank's tiered, paged KV cache. Not thread-safe: one scheduler thread drives it.
 
     A step is ``begin_step``, then any ``add_sequence`` / ``append_tokens`` and one or
-    more ``block_table``, then ``end_step``; these calls outside that order raise
-    StepOrderError (nothing changed). ``release``, ``stats`` and the checks work at any
-    time. After ``close()`` every call but ``close()`` raises CacheClosedError."""
+    more ``block_table``, then ``end_step``. One of those scheduling calls made between
+    steps opens a step itself, as ``begin_step`` would; ``begin_step`` while a step is
+    open and ``end_step`` without one raise StepOrderError (nothing changed).
+    ``release``, ``stats`` and the checks work at any time. After ``close()`` every call
+    but ``close()`` raises CacheClosedError."""
 
     __slots__ = ("_check_every", "_checks_passed", "_closed", "_comm", "_in_step", "_init", "_manager",
                  "_parts", "_remote", "_replicas", "_stager", "config", "device", "init_status",
@@ -101,7 +103,7 @@ class KVCache:
         Raises OutOfBlocksError (nothing changed) when it cannot fit. With the remote
         tier, blocks only other replicas hold are fetched first (waiting at most
         ``fetch_timeout_ms``) unless ``prefetch`` started them."""
-        manager = self._scheduling("add_sequence")
+        manager = self._scheduling()
         remote = self._remote
         if remote is None:
             return manager.add_sequence(seq_id, tokens, priority)
@@ -117,12 +119,12 @@ class KVCache:
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Grow a sequence by decoded tokens whose K/V this step writes."""
-        self._scheduling("append_tokens").append_tokens(seq_id, tokens)
+        self._scheduling().append_tokens(seq_id, tokens)
 
     def block_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 ``[len(seq_ids), max blocks]`` on ``device``, rows padded with -1. Ends
         scheduling for the step: compute waits for the copies queued so far (S5)."""
-        manager = self._scheduling("block_table")
+        manager = self._scheduling()
         if isinstance(seq_ids, str | bytes):
             raise TypeError(f"block_table takes a list of sequence ids, not the {type(seq_ids).__name__} "
                             f"{seq_ids!r} (wrap one id in a list)")
@@ -179,11 +181,13 @@ class KVCache:
             raise CacheClosedError(_CLOSED_MESSAGE)
         return self._manager
 
-    def _scheduling(self, call: str):
+    def _scheduling(self):
+        """The manager, inside a step: a scheduling call made between steps opens one,
+        exactly as ``begin_step`` would (S4 holds: its copies follow the compute stream's
+        work so far)."""
         manager = self._live()
         if not self._in_step:
-            raise StepOrderError(f"{call} outside a step: call begin_step first (rule S4: copies "
-                                 "must follow the last step's kernels)")
+            self.begin_step()
         return manager
 
     def release(self, seq_id: Hashable) -> None:

@@ -89,17 +89,14 @@ def test_block_table_refuses_a_string_of_ids(cache, ids):
 
 
 def test_step_calls_out_of_order_raise_and_change_nothing(cache, seams):
-    """Decided: begin_step twice, end_step without begin_step, and add_sequence,
-    append_tokens or block_table outside a step are StepOrderError (rule S4 needs
-    begin_step before any copy of the step is queued). release works at any time."""
+    """Decided: begin_step twice and end_step without begin_step are StepOrderError,
+    nothing changed. release works at any time."""
     _admit(cache, "a", [1, 2, 3, 4, 5])
     m = seams.manager
     before = (m.state_digest(), m.counters.steps)
-    for call in (lambda: cache.block_table(["a"]), cache.end_step,
-                 lambda: cache.add_sequence("b", [1, 2]), lambda: cache.append_tokens("a", [6])):
-        with pytest.raises(kvdist.StepOrderError):
-            call()
-        assert (m.state_digest(), m.counters.steps) == before
+    with pytest.raises(kvdist.StepOrderError, match="without begin_step"):
+        cache.end_step()
+    assert (m.state_digest(), m.counters.steps) == before
     cache.begin_step()
     with pytest.raises(kvdist.StepOrderError, match="still open"):
         cache.begin_step()
@@ -111,6 +108,29 @@ def test_step_calls_out_of_order_raise_and_change_nothing(cache, seams):
         cache.end_step()
     assert m.counters.steps == before[1] + 1
     cache.release("a")  # between steps
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("first", ["add_sequence", "append_tokens", "block_table"])
+def test_a_scheduling_call_between_steps_opens_a_step(cache, seams, first):
+    """Decided: add_sequence, append_tokens or block_table between steps opens the step
+    itself, exactly as begin_step would (S4: the compute stream's work so far is what
+    the step's copies wait for); end_step closes it; begin_step inside it is refused."""
+    _admit(cache, "a", [1, 2, 3, 4, 5])
+    m = seams.manager
+    steps = m.counters.steps
+    call = {"add_sequence": lambda: cache.add_sequence("b", [1, 2, 3, 4, 9]),
+            "append_tokens": lambda: cache.append_tokens("a", [6]),
+            "block_table": lambda: cache.block_table(["a"])}[first]
+    call()
+    with pytest.raises(kvdist.StepOrderError, match="still open"):
+        cache.begin_step()
+    assert cache.block_table(["a"]).tolist() == [[0, 1]]
+    cache.end_step()
+    assert m.counters.steps == steps + 1
+    if first == "add_sequence":  # b's first block is a's, reused
+        assert cache.block_table(["b"]).tolist() == [[0, 2]]
+        cache.end_step()
     cache.check_invariants()
 
 
