@@ -72,8 +72,7 @@ class Geometry:
         kv = self.kv_heads * ranks
         return (f"{self.layers} layers, {self.q_per_kv * kv} query / {kv} K/V heads "
                 f"({self.kv_heads} per rank) x {self.head_dim}, hidden {self.hidden}, MLP {self.ffn}, "
-                f"vocab {self.vocab}; "
-                f"{self.params(ranks) / 1e9:.2f} B parameters")
+                f"vocab {self.vocab}; {_count(self.params(ranks))} parameters")
 
 
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -214,3 +213,11 @@ class Decoder:
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
             x = self._layer_tail(layer, x, h, out.transpose(0, 1).reshape(len(tok), -1))
         return self._logits(x[-1:])[0]
+
+
+def _count(n: int) -> str:
+    """7.50 B, 0.23 M, 640: a parameter count as a reader takes it in."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
