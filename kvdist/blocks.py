@@ -60,6 +60,10 @@ class FreeStack:
     def __len__(self) -> int:
         return self._top
 
+    @property
+    def nbytes(self) -> int:
+        return self._items.nbytes
+
     def push(self, slot: int) -> None:
         assert self._top < self.capacity, "free stack overflow: a slot was freed twice"
         self._mv[self._top] = slot
@@ -80,6 +84,64 @@ class FreeStack:
     def snapshot(self) -> np.ndarray:
         """Free slots, next to pop first (for tests and invariant checks)."""
         return self._items[: self._top][::-1].copy()
+
+
+class FreeQueue:
+    """The free slots of one tier in first-freed, first-reused order: a ring in an
+    int32 array, the same operations as :class:`FreeStack`. The host tier uses it when
+    a disk tier sits below: a slot freed by a demotion is still being read by a disk
+    worker, and reusing it at once (as a stack would: last freed, first popped) makes the
+    next offload into it wait on the host for that write. In a queue it is reused after
+    every slot freed before it, which is the time its write runs in. Initially pops
+    ascending slot ids."""
+
+    __slots__ = ("_items", "_mv", "_head", "_count", "base", "capacity")
+
+    def __init__(self, base: int, capacity: int):
+        assert capacity > 0, "an empty tier has no free list"
+        self.base = base
+        self.capacity = capacity
+        self._items = np.arange(base, base + capacity, dtype=np.int32)
+        self._mv = memoryview(self._items)
+        self._head = 0  # next to pop
+        self._count = capacity
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        return self._items.nbytes
+
+    def push(self, slot: int) -> None:
+        assert self._count < self.capacity, "free queue overflow: a slot was freed twice"
+        self._mv[(self._head + self._count) % self.capacity] = slot
+        self._count += 1
+
+    def pop(self) -> int:
+        if self._count == 0:
+            return NO_SLOT
+        slot = self._mv[self._head]
+        self._head = (self._head + 1) % self.capacity
+        self._count -= 1
+        return slot
+
+    def pop_many(self, n: int) -> list[int]:
+        assert 0 <= n <= self._count, f"pop_many({n}) with {self._count} free"
+        out = self._ordered(n).tolist()
+        self._head = (self._head + n) % self.capacity
+        self._count -= n
+        return out
+
+    def _ordered(self, n: int) -> np.ndarray:
+        end = self._head + n
+        if end <= self.capacity:
+            return self._items[self._head:end]
+        return np.concatenate((self._items[self._head:], self._items[: end - self.capacity]))
+
+    def snapshot(self) -> np.ndarray:
+        """Free slots, next to pop first (for tests and invariant checks)."""
+        return self._ordered(self._count).copy()
 
 
 class BlockMeta:

@@ -37,6 +37,7 @@ from .blocks import (
     NO_SLOT,
     TIER_NAMES,
     BlockMeta,
+    FreeQueue,
     FreeStack,
     SlotSpace,
 )
@@ -47,9 +48,13 @@ from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
-from .transfer import ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
+from .transfer import DEMOTE, ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
+# Bytes of one batch of disk writes (demotions): a later copy into one of its source host
+# slots waits for its whole batch, so the engine cuts demotions into batches of about this
+# size, written in order, and each slot is free again once its own batch is on disk.
+DEMOTE_BATCH_BYTES = 32 << 20
 
 
 def token_array(tokens: Iterable[int]) -> array:
@@ -114,12 +119,16 @@ class CacheManager:
         self.layered = executor.layered  # S5 per layer (kv_pool) rather than at block_table
         self.space = SlotSpace(capacity)
         self.meta = BlockMeta(self.space.total)
-        self.free = [FreeStack(self.space.base[t], capacity[t]) if capacity[t] else None
+        # The host tier reuses its oldest free slot first when disk writes may still be
+        # reading the newest (FreeQueue); elsewhere the last freed slot goes first.
+        kinds = (FreeStack, FreeQueue if capacity[DISK] else FreeStack, FreeStack)
+        self.free = [kinds[t](self.space.base[t], capacity[t]) if capacity[t] else None
                      for t in (GPU, HOST, DISK)]
         self.lru = [PriorityLRU(self.meta) for _ in (GPU, HOST, DISK)]
         self.index = PrefixIndex(self.space.total, self.meta)
+        demote_batch = max(1, DEMOTE_BATCH_BYTES // layout.bytes_per_block)
         self.engine = TransferEngine(self.space, executor, seams=engine_seams or EngineSeams(),
-                                     block_id=self._block_id)
+                                     block_id=self._block_id, batch_limit=(DEMOTE, demote_batch))
         self.enable_reuse = enable_reuse
         self.offload_min_priority = offload_min_priority
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
@@ -495,7 +504,7 @@ class CacheManager:
     def metadata_bytes(self) -> int:
         """Bytes of the per-slot arrays: block metadata, prefix index, free stacks and
         the transfer engine's per-slot tracking."""
-        stacks = sum(f._items.nbytes for f in self.free if f is not None)
+        stacks = sum(f.nbytes for f in self.free if f is not None)
         return self.meta.nbytes + self.index.nbytes + stacks + self.engine.nbytes
 
     def state_digest(self) -> bytes:

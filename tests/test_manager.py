@@ -239,13 +239,69 @@ def test_demote_ahead_keeps_host_slots_free_exact(cfg_factory, tmp_path):
         assert list(m.lru[1]) == [3] and m.free[1].snapshot().tolist() == [4, 5, 6]
         d.step("s2", T(200))  # offloads fill host slots 4, 5: three used, so 3 goes to disk
         assert list(m.lru[1]) == [4, 5] and list(m.lru[2]) == [7]
-        assert m.free[1].snapshot().tolist() == [3, 6]
+        # Oldest free first (FreeQueue): 3, whose disk write was just queued, is reused last.
+        assert m.free[1].snapshot().tolist() == [6, 3]
         d.step("s3", T(300))  # two more offloads (6, 3): the two coldest (4, 5) go to disk
-        assert list(m.lru[1]) == [3, 6] and list(m.lru[2]) == [7, 8, 9]
+        assert list(m.lru[1]) == [6, 3] and list(m.lru[2]) == [7, 8, 9]
         assert cache.stats()["blocks_moved"] == {"offload": 5, "onboard": 0, "demote": 3, "spill": 0,
                                                  "fetch": 0}
         assert d.step("again", T(0) + [99]) == 8  # s0's blocks, demoted ahead, come back from disk
         assert cache.stats()["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 8}
         assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
+    finally:
+        cache.close()
+
+
+def test_offloads_do_not_reuse_host_slots_a_disk_write_is_still_reading(cfg_factory):
+    """A host slot freed by a demotion is read by a disk worker until its write ends: the
+    host tier hands out its oldest free slots first, so the next step's offloads land in
+    slots freed earlier, not in the ones just demoted (with a stack, last freed first
+    out, each of these offloads would wait on the host for a disk write)."""
+    cfg = cfg_factory(gpu=2, host=8, disk=32)
+    cfg["cache"]["disk"]["demote_ahead"] = 0.5
+    seams = Seams(batch_log=[])
+    cache = kvdist.testing.create(cfg, seams)
+    try:
+        d, log = Checked(cache, seams), seams.batch_log
+        demoted_last_step: set[int] = set()
+        steps_checked = 0
+        for i in range(12):
+            start = len(log)
+            d.step(f"s{i}", T(100 * i))
+            batches = log[start:]
+            offloaded = {s for name, _, dst in batches if name == "offload" for s in dst}
+            if demoted_last_step:
+                assert offloaded, f"step {i}: expected offloads into the host tier"
+                reused = sorted(offloaded & demoted_last_step)
+                assert not reused, f"step {i}: offload into host slots {reused} still being demoted"
+                steps_checked += 1
+            demoted_last_step = {s for name, src, _ in batches if name == "demote" for s in src}
+        assert steps_checked >= 4, f"only {steps_checked} steps followed a demotion"
+        assert cache.stats()["blocks_moved"]["demote"] >= 8
+        assert d.drv.mismatched_tokens == 0
+    finally:
+        cache.close()
+
+
+def test_demotions_are_written_in_batches_of_bounded_bytes(cfg_factory, monkeypatch):
+    """A later copy into a demoted host slot waits for that slot's whole disk batch: the
+    engine submits demotions in batches of DEMOTE_BATCH_BYTES (here 2 blocks)."""
+    import kvdist.manager
+    cfg = cfg_factory(gpu=4, host=12, disk=32)
+    cfg["cache"]["disk"]["demote_ahead"] = 0.75  # 9 free host slots: 3 demoted a step
+    seams = Seams(batch_log=[])
+    cache = kvdist.testing.create(cfg, seams)
+    try:
+        block = seams.manager.layout.bytes_per_block
+        monkeypatch.setattr(seams.engine, "_limit", 2)
+        assert kvdist.manager.DEMOTE_BATCH_BYTES // block > 2  # the default would not split
+        d = Checked(cache, seams)
+        for i in range(12):
+            d.step(f"s{i}", T(100 * i, 12))  # 3 blocks
+        demotes = [(src, dst) for name, src, dst in seams.batch_log if name == "demote"]
+        assert demotes and all(len(src) <= 2 for src, _ in demotes), [len(s) for s, _ in demotes]
+        assert sum(len(s) for s, _ in demotes) == cache.stats()["blocks_moved"]["demote"] >= 8
+        assert d.step("again", T(0, 12) + [99]) == 12  # s0's blocks come back from disk intact
+        assert d.drv.mismatched_tokens == 0
     finally:
         cache.close()

@@ -1,7 +1,7 @@
 """The compact structures and the whole cache bookkeeping against simple reference
 models: randomized operation sequences, exact agreement after every operation.
 
-* FreeStack vs a Python list used as a stack;
+* FreeStack vs a Python list used as a stack, FreeQueue vs a deque;
 * PriorityLRU vs a dict of (priority, insertion stamp), ordered by sorting;
 * PrefixIndex vs a dict, with keys forced onto the same home bucket (equal low bits)
   and keys that differ only in their high half;
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ import xxhash
 
 import kvdist
 import kvdist.testing
-from kvdist.blocks import CACHED, NO_SLOT, BlockMeta, FreeStack
+from kvdist.blocks import CACHED, NO_SLOT, BlockMeta, FreeQueue, FreeStack
 from kvdist.errors import OutOfBlocksError
 from kvdist.eviction import NUM_PRIORITIES, PriorityLRU
 from kvdist.layout import KVLayout
@@ -63,6 +63,33 @@ def test_free_stack_against_list(seed):
             ref.append(s)
         assert len(fs) == len(ref)
         assert fs.snapshot().tolist() == ref[::-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_free_queue_against_deque(seed):
+    rng = random.Random(seed)
+    base, cap = 100 * seed, 40
+    fq = FreeQueue(base, cap)
+    ref = deque(range(base, base + cap))  # pops ascending ids first, then first freed first
+    out: list[int] = []
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.35:
+            expect = ref.popleft() if ref else NO_SLOT
+            assert fq.pop() == expect
+            if expect != NO_SLOT:
+                out.append(expect)
+        elif op < 0.55:
+            n = rng.randint(0, len(ref))
+            expect = [ref.popleft() for _ in range(n)]
+            assert fq.pop_many(n) == expect
+            out.extend(expect)
+        elif out:
+            s = out.pop(rng.randrange(len(out)))
+            fq.push(s)
+            ref.append(s)
+        assert len(fq) == len(ref)
+        assert fq.snapshot().tolist() == list(ref)
 
 
 # -- PriorityLRU --------------------------------------------------------------------------------
@@ -191,13 +218,17 @@ class RefSeq:
 class RefCache:
     """The cache's bookkeeping, written plainly. Tier ``t`` owns global slots
     ``[base[t], base[t] + capacity[t])``; a free stack per tier (a list, popped at the
-    end); an eviction order per tier (slot -> (priority, stamp), victim = min)."""
+    end), but a queue (first freed, first reused) for the host tier above a disk tier;
+    an eviction order per tier (slot -> (priority, stamp), victim = min)."""
 
     def __init__(self, capacity, tpb, salt, offload_min_priority, enable_reuse):
         self.capacity, self.tpb, self.salt = capacity, tpb, salt
         self.omp, self.reuse = offload_min_priority, enable_reuse
         self.base = (0, capacity[0], capacity[0] + capacity[1])
         self.free = [list(range(b + c - 1, b - 1, -1)) for b, c in zip(self.base, capacity)]
+        self.fifo = [False, bool(capacity[2]), False]
+        if self.fifo[1]:
+            self.free[1] = deque(reversed(self.free[1]))
         self.order: list[dict[int, tuple[int, int]]] = [{}, {}, {}]
         self.stamp = 0
         self.hash: dict[int, int] = {}  # slot -> hash of its cached block
@@ -237,14 +268,21 @@ class RefCache:
         del self.order[t][s]
         return s
 
+    def pop_free(self, t: int) -> int:
+        return self.free[t].popleft() if self.fifo[t] else self.free[t].pop()
+
+    def free_order(self, t: int) -> list[int]:
+        """Free slots of tier ``t``, next to pop first."""
+        return list(self.free[t]) if self.fifo[t] else self.free[t][::-1]
+
     def take_slot(self, t: int) -> int | None:
         if self.free[t]:
-            return self.free[t].pop()
+            return self.pop_free(t)
         victim = self.pop_lru(t)
         if victim is None:
             return None
         self.evict(victim)
-        return self.free[t].pop()
+        return self.pop_free(t)
 
     def move(self, s: int, d: int) -> None:
         self.hash[d], self.prio[d] = self.hash.pop(s), self.prio[s]
@@ -358,7 +396,7 @@ def assert_same(m: CacheManager, ref: RefCache) -> None:
         {sid: s.tokens for sid, s in ref.seqs.items()}
     for t in range(3):
         if ref.capacity[t]:
-            assert m.free[t].snapshot().tolist() == ref.free[t][::-1], f"free stack of tier {t}"
+            assert m.free[t].snapshot().tolist() == ref.free_order(t), f"free stack of tier {t}"
         assert list(m.lru[t]) == sorted(ref.order[t], key=ref.order[t].__getitem__), f"lru of tier {t}"
     indexed = {(int(m.meta.hash_hi[s]) << 64) | int(m.meta.hash_lo[s]): s for s in m.index.slots().tolist()}
     assert indexed == ref.index

@@ -95,12 +95,14 @@ def _queue(engine: TransferEngine, moves: list[tuple[Route, int, int]], bulk: bo
             engine.copy(r, s, d)
 
 
+@pytest.mark.parametrize("limit", [None, 3])
 @pytest.mark.parametrize("seed", range(12))
-def test_every_conflict_is_ordered_and_nothing_is_lost(seed):
+def test_every_conflict_is_ordered_and_nothing_is_lost(seed, limit):
+    """``limit``: demotions are submitted in batches of at most that many copies."""
     rng = np.random.default_rng(seed)
     space = SlotSpace((12, 16, 8))  # small tiers: frequent conflicts
     ex = RecordingExecutor(space)
-    engine = TransferEngine(space, ex)
+    engine = TransferEngine(space, ex, batch_limit=(DEMOTE, limit) if limit else None)
     wanted: list[tuple[int, int]] = []
     for _step in range(25):
         engine.begin_step()
@@ -115,6 +117,9 @@ def test_every_conflict_is_ordered_and_nothing_is_lost(seed):
     done = sorted((s, d) for _, src, dst, _ in ex.batches for s, d in zip(src, dst))
     assert done == sorted(wanted)
     assert engine.stats.batches == len(ex.batches)
+    if limit:
+        sizes = [len(src) for name, src, _, _ in ex.batches if name == "demote"]
+        assert max(sizes) <= 2 * limit - 1, sizes
 
 
 def test_the_checker_catches_a_missing_wait():
@@ -144,3 +149,22 @@ def test_copy_many_flushes_an_open_batch_reading_a_slot_it_overwrites():
     assert [(d, s, t) for d, s, t, _ in ex.batches] == [
         ("offload", [0, 1], [4, 5]), ("onboard", [6, 7], [1, 2])]
     assert ex.batches[1][3] == {0} and engine.stats.conflict_flushes == 1
+
+
+def test_a_batch_limit_submits_demotions_as_they_fill_a_batch():
+    """``batch_limit=(DEMOTE, 3)``: a demotion batch goes to the executor as soon as it
+    holds 3 copies (single or bulk), so a later copy into one of its host slots waits
+    for those 3 alone; other routes batch as before."""
+    space = SlotSpace((4, 12, 12))
+    ex = RecordingExecutor(space)
+    engine = TransferEngine(space, ex, batch_limit=(DEMOTE, 3))
+    engine.begin_step()
+    engine.copy_many(DEMOTE, list(range(4, 12)), list(range(16, 24)))  # 8 host -> disk
+    assert [len(src) for _, src, _, _ in ex.batches] == [3, 3]  # 2 still open
+    engine.copy(DEMOTE, 12, 24)  # a third copy fills the open batch
+    assert [len(src) for _, src, _, _ in ex.batches] == [3, 3, 3]
+    engine.copy_many(OFFLOAD, [0, 1, 2, 3], [4, 5, 13, 14])  # into demoted slots 4, 5
+    engine.before_compute()
+    names = [(name, len(src), deps) for name, src, _, deps in ex.batches]
+    assert names == [("demote", 3, set()), ("demote", 3, set()), ("demote", 3, set()), ("offload", 4, {0})]
+    engine.check_invariants()

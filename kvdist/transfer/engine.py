@@ -71,6 +71,7 @@ class _Batch:
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    in_parts: int = 0  # copies in ``parts``
     rkeys: list[int] = field(default_factory=list)  # tracking key read, per copy (tracking != "slot")
     wkeys: list[int] = field(default_factory=list)  # tracking key written, per copy
 
@@ -114,7 +115,8 @@ class TransferEngine:
     """Orders and batches block copies between tiers; see the module docstring."""
 
     def __init__(self, space: SlotSpace, executor: Executor, *, seams: EngineSeams = EngineSeams(),
-                 block_id: Callable[[int], object] | None = None):
+                 block_id: Callable[[int], object] | None = None,
+                 batch_limit: tuple[Route, int] | None = None):
         assert seams.tracking != "block" or block_id is not None, "block tracking needs block_id"
         self.space = space
         # [lo, hi) of each tier's global slots
@@ -125,6 +127,10 @@ class TransferEngine:
         self._copy_many_sizes = seams.copy_many_sizes
         self._block_id = block_id
         self._open: dict[Route, _Batch] = {}
+        # (route, copies): a batch of that route is submitted once it holds that many
+        # (a later copy into one of its slots waits for the whole batch).
+        self._limited, self._limit = batch_limit if batch_limit is not None else (None, 0)
+        assert self._limited is None or self._limit > 0, f"batch limit {batch_limit}"
         n = max(space.total, 1)
         self._last_write = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch writing it
         self._last_read = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch reading it
@@ -185,6 +191,8 @@ class TransferEngine:
         tok = b.token << 1
         mark[ks] = tok
         mark[kd] = tok | 1
+        if route is self._limited and len(b.src) + b.in_parts >= self._limit:
+            self._flush(route)
 
     def copy_many(self, route: Route, src, dst) -> None:
         """Queue ``src[i] -> dst[i]`` for all i (global slots) along ``route``, exactly as
@@ -205,12 +213,24 @@ class TransferEngine:
             for a, b in zip(s.tolist(), d.tolist()):  # hazards inside: one by one
                 self.copy(route, a, b)
             return
+        if route is self._limited:
+            for i in range(0, len(s), self._limit):
+                self._add_part(route, s[i:i + self._limit], d[i:i + self._limit])
+                b = self._open.get(route)
+                if b is not None and len(b.src) + b.in_parts >= self._limit:
+                    self._flush(route)
+        else:
+            self._add_part(route, s, d)
+
+    def _add_part(self, route: Route, s: np.ndarray, d: np.ndarray) -> None:
+        """``copy_many``'s copies, free of hazards among themselves, into the open batch."""
         mark = self._mark
         if "S2" in self.rules and self._by_token:
             m = np.concatenate((mark[s], mark[d]))
             self._flush_conflicting(route, _distinct(m[m >= 0]).tolist())
         b = self._open.get(route) or self._open_batch(route)
         b.parts.append((s, d))
+        b.in_parts += len(s)
         tok = b.token << 1
         mark[s] = tok
         mark[d] = tok | 1
