@@ -272,6 +272,7 @@ class KVCache:
             # a host slot a demotion is still reading): CUDA executor only.
             "host_waits_on_disk": waits.host_waits,
             "host_wait_seconds": waits.host_wait_seconds,
+            "host_wait_read_seconds": waits.host_wait_read_seconds,  # of which on fetches' reads
             # The compute stream stood still waiting for tier copies (S5).
             "compute_wait_seconds": executor.compute_wait_seconds,
             # Cold hits onboarded vs recomputed because that was faster (fetch_policy).

@@ -42,6 +42,10 @@ def _read_while_onboard_is_held(rules) -> list[float]:
         a = list(range(8)) + [99]
         _write(cache, "a", a, 10.0)
         _write(cache, "b", list(range(100, 116)), 50.0)  # A's 2 blocks go to the host tier
+        # The reads' kernels once before the gate closes: loaded lazily behind it, they
+        # would wait for the spin (without CUDA_MODULE_LOADING=EAGER).
+        scratch = torch.zeros_like(cache.kv_pool(0))
+        scratch[torch.zeros(2, dtype=torch.long, device=scratch.device)].mean().item()
         torch.cuda.synchronize()
         cache.begin_step()
         gate = SpinGate(timeout_s=4.0).close(seams.executor.streams["onboard"])

@@ -352,8 +352,8 @@ class Simulation:
         s = self.cache.stats()
         keys = ("hit_tokens", "prompt_tokens", "bytes_offloaded", "bytes_onboarded", "bytes_demoted",
                 "blocks_moved", "evictions_by_tier", "transfer_seconds", "bookkeeping_seconds",
-                "host_wait_seconds", "host_waits_on_disk", "compute_wait_seconds", "fetch_policy",
-                "transfer_path", "capacity_blocks", "block_bytes")
+                "host_wait_seconds", "host_wait_read_seconds", "host_waits_on_disk", "compute_wait_seconds",
+                "fetch_policy", "transfer_path", "capacity_blocks", "block_bytes")
         led, c = self.ledger, self.checks
         mine = {"stats": {k: s[k] for k in keys},
                 "ledger": [led.checked_blocks, led.mismatched_blocks, led.unknown_blocks, led.variants,

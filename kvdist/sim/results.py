@@ -89,6 +89,7 @@ def assemble(f: RunFacts, everyone: list[dict]) -> dict:
         "transfer_gb_per_s": moved / seconds_moving / 1e9 if seconds_moving else 0.0,
         "bookkeeping_us_per_step": 1e6 * _sum(everyone, "bookkeeping_seconds") / world / steps,
         "host_wait_us_per_step": 1e6 * _sum(everyone, "host_wait_seconds") / world / steps,
+        "host_wait_reads_us_per_step": 1e6 * _sum(everyone, "host_wait_read_seconds") / world / steps,
         "host_waits_on_disk": _sum(everyone, "host_waits_on_disk"),
         "compute_wait_us_per_step": 1e6 * max(e["stats"]["compute_wait_seconds"] for e in everyone) / steps,
         "cache_api_us_per_step": 1e6 * sum(e["clock"][0] for e in everyone) / world / steps,

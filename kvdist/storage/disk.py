@@ -1,5 +1,6 @@
 """The disk tier: one preallocated file per rank, blocks read and written with
-positional I/O from a pool of worker threads (``pread``/``pwrite`` drop the GIL).
+positional I/O from worker threads (``pread``/``pwrite`` drop the GIL), reads and
+writes on pools of their own so a read a step waits for never queues behind writes.
 
 A batch (``write_blocks`` / ``read_blocks``) is sorted by slot, runs of neighbouring
 slots become one vectored call, and the runs are spread over the threads so the
@@ -74,7 +75,8 @@ class DiskPool:
         # O_DIRECT offsets and lengths must be aligned: pad each slot to the alignment.
         self.stride = (-(-self.block_bytes // DIRECT_ALIGN) * DIRECT_ALIGN if o_direct
                        else self.block_bytes)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # writes
+        self._readers: ThreadPoolExecutor | None = None  # reads: never queued behind writes
         try:
             self._create(directory, rank)
             if o_direct:
@@ -84,6 +86,8 @@ class DiskPool:
             raise
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdist-disk",
                                         initializer=self._mark_worker)
+        self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdist-disk-read",
+                                           initializer=self._mark_worker)
 
     # -- start -------------------------------------------------------------------------------
     def _create(self, directory: str, rank: int) -> None:
@@ -267,8 +271,9 @@ class DiskPool:
                     self._count(writing, nbytes)
                     done.set_result(None)
 
+        pool = self._pool if writing else self._readers  # a read the step needs never waits for writes
         for g in groups:
-            self._pool.submit(self._run_group, writing, g).add_done_callback(finished)
+            pool.submit(self._run_group, writing, g).add_done_callback(finished)
         return done
 
     def _count(self, writing: bool, nbytes: int) -> None:
@@ -315,7 +320,7 @@ class DiskPool:
 
     def check_invariants(self) -> None:
         if self.path is None:
-            assert self.fd is None and self._direct_fd is None and self._pool is None, \
+            assert self.fd is None and self._direct_fd is None and self._pool is self._readers is None, \
                 "a closed pool still holds files or threads"
             return
         assert os.fstat(self.fd).st_size >= self.num_blocks * self.stride, "the file lost its preallocation"
@@ -334,9 +339,10 @@ class DiskPool:
 
     def close(self) -> None:
         """Stop the workers and close the file, which frees its space (idempotent)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._readers):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._readers = None
         for name in ("_direct_fd", "fd"):
             fd = getattr(self, name)
             if fd is not None:

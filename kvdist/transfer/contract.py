@@ -30,6 +30,7 @@ class ExecutorCounters:
 
     host_waits: int = 0  # times the host blocked on unfinished disk work
     host_wait_seconds: float = 0.0
+    host_wait_read_seconds: float = 0.0  # of which on disk reads (fetches); the rest on writes
     disk_batches: int = 0
 
 

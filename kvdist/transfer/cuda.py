@@ -100,9 +100,13 @@ class CudaExecutor:
         self.copier = BatchCopier(device, prefer=path)
         self.streams = {name: torch.cuda.Stream(device) for name in (OFFLOAD.stream, ONBOARD.stream)}
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._workers = (ThreadPoolExecutor(disk_threads, thread_name_prefix="kvdist-xfer-disk",
-                                            initializer=torch.cuda.set_device, initargs=(index,))
-                         if disk is not None else None)
+        # Disk batches: writes (demote, spill) and reads (fetch) on workers of their own, so
+        # a fetch the next forward pass needs does not queue behind demote-ahead's writes.
+        def workers(kind: str) -> ThreadPoolExecutor | None:
+            return (ThreadPoolExecutor(disk_threads, thread_name_prefix=f"kvdist-xfer-{kind}",
+                                       initializer=torch.cuda.set_device, initargs=(index,))
+                    if disk is not None else None)
+        self._workers, self._readers = workers("write"), workers("read")
         # Host blocks per CUDA registration: a merged copy must not cross one (see coalesce).
         self._host_chunk = host.chunk_blocks if host is not None else 0
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (keep bounces alive)
@@ -128,21 +132,25 @@ class CudaExecutor:
         return {"path": c.path, "batches_by_path": dict(c.batches), "copy_calls_by_path": dict(c.api_calls),
                 "blocks": c.blocks, "host_waits_on_disk": self.counters.host_waits,
                 "host_wait_seconds": self.counters.host_wait_seconds,
+                "host_wait_read_seconds": self.counters.host_wait_read_seconds,
                 "disk_batches": self.counters.disk_batches, **c.describe()}
 
     # -- waiting -------------------------------------------------------------------------------
-    def _host_wait(self, fut: Future) -> None:
+    def _host_wait(self, fut: Future, reading: bool = False) -> None:
         if not fut.done():
             t0 = time.perf_counter()
             fut.result()
+            waited = time.perf_counter() - t0
             self.counters.host_waits += 1
-            self.counters.host_wait_seconds += time.perf_counter() - t0
+            self.counters.host_wait_seconds += waited
+            if reading:
+                self.counters.host_wait_read_seconds += waited
         else:
             fut.result()  # re-raise a worker's error here
 
     def _finish_fetch(self, op: DiskOp) -> None:
         """Queue the GPU half of a fetch (the host waits for its read if needed)."""
-        self._host_wait(op.future)
+        self._host_wait(op.future, reading=True)
         st = self.streams[ONBOARD.stream]
         self._gpu_wait(st, op.gpu_deps, host_tier=False)
         op.gpu_event = self._copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
@@ -245,7 +253,7 @@ class CudaExecutor:
     def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         bounce = self._bounce(len(s))
         disk_deps = [e for e in deps if isinstance(e, DiskOp)]
-        fut = self._workers.submit(self._read_task, disk_deps, s.tolist(), list(bounce))
+        fut = self._readers.submit(self._read_task, disk_deps, s.tolist(), list(bounce))
         return self._disk_op(DiskOp(FETCH, fut, bounce, gpu_slots=d, gpu_deps=list(deps)))
 
     def _bounce(self, n: int) -> torch.Tensor:
@@ -382,6 +390,7 @@ class CudaExecutor:
 
     def close(self) -> None:
         """Stop the disk workers (after ``synchronize``)."""
-        if self._workers is not None:
-            self._workers.shutdown(wait=True)
-            self._workers = None
+        for pool in (self._workers, self._readers):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._workers = self._readers = None
