@@ -56,14 +56,14 @@ if has 3 && [ -z "${RATE:-}" ]; then
 print(round(0.7 * r['runs']['gpu-only']['latency']['requests_per_s'], 1))")
     echo "rate for the comparison: 0.7 x GPU-only's capacity = $RATE requests/s"
 fi
-RATE=${RATE:-18}
+RATE=${RATE:-10}
 if has 4; then
     echo "== run --compare at $RATE requests/s"
     compare h200 --config $CONFIG --compare --rate "$RATE"
 fi
 if has 5; then
     echo "== disk throttled to $THROTTLE/s, host tier 4 GiB, $RATE requests/s"
-    sed -e "s|disk: {path: auto, bytes: 24GiB}|disk: {path: auto, bytes: 24GiB, max_read_bytes_per_s: $THROTTLE}|" \
+    sed -e "s|disk: {path: auto, bytes: 24GiB|disk: {path: auto, bytes: 24GiB, max_read_bytes_per_s: $THROTTLE|" \
         -e "s|host: {bytes: 24GiB}|host: {bytes: 4GiB}|" $CONFIG > /tmp/h200-throttled.yaml
     grep -q max_read_bytes_per_s /tmp/h200-throttled.yaml || { echo "throttle not set"; exit 1; }
     compare throttled --config /tmp/h200-throttled.yaml --compare --configs all-tiers,gpu-only \
