@@ -195,17 +195,22 @@ class KVCache:
         self._manager.release(seq_id)
 
     def prefetch(self, seq_id: Hashable, tokens: Iterable[int]) -> int:
-        """Start pulling the blocks of a request that only other replicas hold (the
-        remote tier), without blocking; returns how many blocks are on their way (0
-        without a remote tier). A later ``add_sequence(seq_id, ...)`` reuses those that
-        have landed and been agreed by the replica's ranks; ``prefetch_ready`` says when
-        every one of them has (landed or given up, at most ``fetch_timeout_ms`` later).
-        Same answer on every TP rank of the replica. Called between steps, the blocks
-        start moving right after the next ``begin_step``."""
-        self._live()
+        """Start moving a request's cached blocks closer, without blocking; returns how
+        many blocks are on their way. Its disk blocks (those ``add_sequence`` would reuse
+        now, by the fetch policy) move into the host tier at once, in or between steps:
+        ``add_sequence`` then onboards them like host hits, after their read (rule S2).
+        Its blocks that only other replicas hold (the remote tier) are pulled: a later
+        ``add_sequence(seq_id, ...)`` reuses those that have landed and been agreed by the
+        replica's ranks, and ``prefetch_ready`` says when every one of them has (landed or
+        given up, at most ``fetch_timeout_ms`` later); called between steps, they start
+        right after the next ``begin_step``. Changes the cache like ``add_sequence``: call
+        it alike on every TP rank of a replica (same answer on each)."""
+        manager = self._live()
+        tokens = tokens if isinstance(tokens, list | tuple) else list(tokens)
+        promoted = manager.prefetch(tokens)
         if self._remote is None:
-            return 0
-        return self._remote.prefetch(seq_id, tokens, now=self._in_step)
+            return promoted
+        return promoted + self._remote.prefetch(seq_id, tokens, now=self._in_step)
 
     def prefetch_ready(self, seq_id: Hashable) -> bool:
         """Whether nothing prefetched for ``seq_id`` is still on its way (True for a

@@ -48,7 +48,7 @@ from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
-from .transfer import DEMOTE, ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
+from .transfer import DEMOTE, PROMOTE, ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 # Bytes of one batch of disk writes (demotions): a later copy into one of its source host
@@ -374,6 +374,46 @@ class CacheManager:
         self.counters.prompt_tokens += n
         self.bookkeeping_seconds += time.perf_counter() - t0
         return len(hits) * tpb
+
+    def prefetch(self, tokens: Iterable[int]) -> int:
+        """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``
+        would reuse it now: the fetch policy's cut) into the host tier, so that its
+        ``add_sequence`` onboards them from host memory, the read from disk done by
+        then or under way. The prefix's host blocks and the promoted ones become the
+        host tier's most recently used; a promotion may evict colder host blocks (to
+        disk, as ever). Returns the number of blocks promoted (0 without a host and a
+        disk tier, or when no host slot can be had)."""
+        if not (self.enable_reuse and self.has_tier(HOST) and self.has_tier(DISK)):
+            return 0
+        t0 = time.perf_counter()
+        tok = token_array(tokens)
+        n = len(tok)
+        hits = self.index.match(self.block_hashes(tok)[: (n - 1) // self.tpb]) if n else []
+        space, gpu_end = self.space, self.space.base[HOST]
+        tiers = [GPU if s < gpu_end else space.tier_of(s) for s in hits]
+        if DISK not in tiers:
+            return 0
+        k = self.policy.cut(tiers)
+        cold = [(s, t) for s, t in zip(hits[:k], tiers[:k]) if t != GPU]
+        for s, t in cold:  # out of reach of the cascade below
+            self.lru[t].remove(s)
+        promoted, placed = 0, []
+        for s, t in cold:
+            if t == DISK:
+                h = self._take_slot(HOST)
+                if h == NO_SLOT:  # every host block is in this prefix: leave the rest on disk
+                    placed.append((s, t))
+                    continue
+                self._move(s, h, PROMOTE)
+                promoted += 1
+                s = h
+                t = HOST
+            placed.append((s, t))
+        for s, t in reversed(placed):  # last block first: the prefix's tail leaves first
+            self.lru[t].push(s)
+        self._submit_moves()
+        self.bookkeeping_seconds += time.perf_counter() - t0
+        return promoted
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Grow a sequence by decoded tokens (their K/V is written in this step)."""

@@ -14,17 +14,22 @@ import kvdist.testing
 from kvdist.testing import IntegrityDriver, Seams
 
 
-def churn(cache, steps=240, seed=1, check=True, host_reader=False):
+def churn(cache, steps=240, seed=1, check=True, host_reader=False, prefetch=False):
+    """``prefetch``: each prompt is prefetched first, between steps or in its step."""
     d = IntegrityDriver(cache, host_reader=host_reader)
     rng = random.Random(seed)
     systems = [[rng.randrange(100) for _ in range(12)] for _ in range(3)]
     history = []
     for i in range(steps):
+        if prefetch and i % 2 and history:  # between steps
+            cache.prefetch(f"early-{i}", rng.choice(history))
         d.begin()
         if history and rng.random() < 0.5:
             toks = rng.choice(history) + [rng.randrange(100) for _ in range(rng.randrange(1, 6))]
         else:
             toks = rng.choice(systems) + [rng.randrange(100) for _ in range(rng.randrange(1, 10))]
+        if prefetch:
+            cache.prefetch(i, toks)
         d.add(i, toks, priority=rng.choice([10, 35, 80]))
         d.compute()
         d.end()
@@ -92,6 +97,47 @@ def test_rule_off_corrupts_under_simulated_streams(cfg_factory, rules, tracking)
     try:
         d = churn(cache, check=False)
         assert d.mismatched_tokens > 0
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("simulate_async", [False, True], ids=["sync", "simulated-async"])
+def test_prefetched_disk_blocks_come_back_intact(cfg_factory, simulate_async):
+    """``prefetch`` promotes a prompt's disk blocks into the host tier (in and between
+    steps); its add_sequence onboards them from there, after their read."""
+    cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, simulate_async=simulate_async))
+    try:
+        d = churn(cache, prefetch=True)
+        s = cache.stats()
+        assert s["blocks_moved"]["promote"] > 20, s["blocks_moved"]
+        assert s["hit_tokens"]["host"] > 0
+        assert d.mismatched_tokens == 0, d.first_mismatch
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("s2", [True, False], ids=["S2", "S2-off"])
+def test_a_prefetched_block_is_onboarded_after_its_read(cfg_factory, s2):
+    """Under simulated streams, the onboard of a promoted block waits for its read from
+    disk (S2); without S2 it reads the host slot first and the bytes are wrong."""
+    rules = frozenset({"S2", "S4", "S5"} if s2 else {"S4", "S5"})
+    cache = kvdist.testing.create(cfg_factory(gpu=24, host=8, disk=128, simulate_async=True),
+                                  Seams(rules=rules))
+    try:
+        d = IntegrityDriver(cache)
+        # Blocks of "a" pushed down to disk by a churn of other prompts.
+        a = list(range(1000, 1016)) + [7]
+        d.begin(); d.add("a", a); d.compute(); d.end(); d.release("a")  # noqa: E702
+        for i in range(40):
+            d.begin(); d.add(i, [i * 100 + j for j in range(16)] + [1]); d.compute(); d.end(); d.release(i)  # noqa: E702
+        cache.synchronize()
+        assert cache.prefetch("a2", a) == 4  # a's 4 full blocks, all on disk
+        d.begin()
+        assert d.add("a2", a) == 16
+        d.compute()
+        d.end()
+        assert cache.stats()["hit_tokens"]["host"] == 16  # all 4 blocks onboarded from host
+        assert (d.mismatched_tokens == 0) == s2, (d.mismatched_tokens, d.checked_tokens)
     finally:
         cache.close()
 

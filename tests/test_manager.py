@@ -5,6 +5,7 @@ import pytest
 
 import kvdist
 import kvdist.testing
+from kvdist.manager import token_array
 from kvdist.testing import IntegrityDriver, Seams
 
 
@@ -127,7 +128,8 @@ def test_cascade_gpu_host_disk_exact(make):
     assert m.seqs["s4"].slots == [2, 0, 1]
     s = cache.stats()
     assert s["hit_tokens"] == {"gpu": 0, "host": 4, "disk": 4}
-    assert s["blocks_moved"] == {"offload": 6, "onboard": 1, "demote": 4, "spill": 0, "fetch": 1}
+    assert s["blocks_moved"] == {"offload": 6, "onboard": 1, "demote": 4, "spill": 0, "fetch": 1,
+                                 "promote": 0}
     assert s["dropped"] == 2
     assert s["bytes_offloaded"] == 6 * 512 and s["bytes_onboarded"] == 2 * 512
     assert s["blocks_used"] == {"gpu": 3, "host": 1, "disk": 1}
@@ -244,10 +246,58 @@ def test_demote_ahead_keeps_host_slots_free_exact(cfg_factory, tmp_path):
         d.step("s3", T(300))  # two more offloads (6, 3): the two coldest (4, 5) go to disk
         assert list(m.lru[1]) == [6, 3] and list(m.lru[2]) == [7, 8, 9]
         assert cache.stats()["blocks_moved"] == {"offload": 5, "onboard": 0, "demote": 3, "spill": 0,
-                                                 "fetch": 0}
+                                                 "fetch": 0, "promote": 0}
         assert d.step("again", T(0) + [99]) == 8  # s0's blocks, demoted ahead, come back from disk
         assert cache.stats()["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 8}
         assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
+    finally:
+        cache.close()
+
+
+def test_prefetch_promotes_a_prompts_disk_blocks_exact(cfg_factory):
+    """prefetch moves the disk blocks of the prompt's reusable prefix into the host tier
+    (evicting the coldest host block outside the prefix, to disk); its add_sequence then
+    reuses them as host hits. The prefix's blocks become the host tier's most recently
+    used, its tail the older."""
+    seams = Seams(batch_log=[])
+    cache = kvdist.testing.create(cfg_factory(gpu=3, host=2, disk=2), seams)
+    try:
+        d, m = Checked(cache, seams), seams.manager
+        for name, start in (("s1", 0), ("s2", 100), ("s3", 200)):
+            d.step(name, T(start))
+        # T(0): block 0 in host slot 4, block 1 on disk (slot 5); host slot 3 holds another.
+        assert list(m.lru[1]) == [4, 3] and list(m.lru[2]) == [5] and m.free[2].snapshot().tolist() == [6]
+        assert m.index.match(m.block_hashes(token_array(T(0)))) == [4, 5]
+        log = len(seams.batch_log)
+        assert cache.prefetch("s4", T(0) + [99]) == 1
+        cache.check_invariants()
+        assert m.index.match(m.block_hashes(token_array(T(0)))) == [4, 3]  # block 1 now in host slot 3
+        assert list(m.lru[1]) == [3, 4] and list(m.lru[2]) == [6] and m.free[2].snapshot().tolist() == [5]
+        cache.synchronize()
+        assert seams.batch_log[log:] == [("demote", [0], [1]), ("promote", [0], [0])]
+        assert cache.prefetch("s4", T(0) + [99]) == 0  # nothing left on disk
+        assert d.step("s4", T(0) + [99]) == 8
+        s = cache.stats()
+        assert s["hit_tokens"] == {"gpu": 0, "host": 8, "disk": 0}
+        assert s["blocks_moved"]["promote"] == 1 and s["blocks_moved"]["fetch"] == 0
+        assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
+    finally:
+        cache.close()
+
+
+def test_prefetch_follows_the_fetch_policy(cfg_factory):
+    """A disk the agreed figures call slower than recomputing is not prefetched from."""
+    seams = Seams()
+    cache = kvdist.testing.create(cfg_factory(gpu=3, host=2, disk=2), seams)
+    try:
+        d, m = Checked(cache, seams), seams.manager
+        for name, start in (("s1", 0), ("s2", 100), ("s3", 200)):
+            d.step(name, T(start))
+        # host 1 GB/s, disk 1 B/s, prefill 1,000 tokens/s: a disk block costs far more
+        m.policy.agree([10**9, 1, 1000])
+        assert cache.prefetch("s4", T(0) + [99]) == 0
+        assert cache.stats()["blocks_moved"]["promote"] == 0
+        assert d.step("s4", T(0) + [99]) == 4  # block 0 from host, block 1 recomputed
     finally:
         cache.close()
 

@@ -14,13 +14,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .routes import FETCH, ONBOARD, Route
+from .routes import FETCH, ONBOARD, PROMOTE, Route
 
 __all__ = ["TIMED", "Event", "Executor", "ExecutorCounters", "SimulatedCompute", "Timing"]
 
 Event = object  # opaque to everyone but the executor that made it
 Timing = tuple[Route, int, float]  # (route, bytes copied, seconds the copy took)
-TIMED = (ONBOARD, FETCH)  # routes whose copy times the executors report (fetch or recompute)
+TIMED = (ONBOARD, FETCH, PROMOTE)  # routes whose copy times the executors report (fetch or recompute)
 
 
 @dataclass(slots=True)

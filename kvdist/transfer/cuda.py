@@ -38,7 +38,7 @@ from ..storage import DiskPool, GpuPool, HostPool
 from .batchcopy import BatchCopier
 from .contract import Event, ExecutorCounters, Timing
 from .executors import BatchLog
-from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, Route
+from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, PROMOTE, SPILL, Route
 
 __all__ = ["CudaExecutor", "DiskOp", "Grouped"]
 
@@ -114,7 +114,7 @@ class CudaExecutor:
         self.counters = ExecutorCounters()
         self.log = log
         self._handlers = {OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
-                          SPILL: self._spill, FETCH: self._fetch}
+                          SPILL: self._spill, FETCH: self._fetch, PROMOTE: self._promote}
         # Onboards between two timing events on their stream; fetch reads timed by their
         # worker (deque: workers append); the compute stream's waits between events on it.
         self._timed: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
@@ -171,8 +171,8 @@ class CudaExecutor:
                     self._finish_fetch(e)
                 if e.gpu_event is not None:
                     stream.wait_event(_whole(e.gpu_event))
-                elif host_tier:
-                    self._host_wait(e.future)
+                elif host_tier:  # a demotion reads the host slot, a promotion writes it
+                    self._host_wait(e.future, reading=e.route is PROMOTE)
 
     @staticmethod
     def _worker_wait(deps: list) -> None:
@@ -253,8 +253,16 @@ class CudaExecutor:
     def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         bounce = self._bounce(len(s))
         disk_deps = [e for e in deps if isinstance(e, DiskOp)]
-        fut = self._readers.submit(self._read_task, disk_deps, s.tolist(), list(bounce))
+        fut = self._readers.submit(self._read_task, FETCH, disk_deps, s.tolist(), list(bounce))
         return self._disk_op(DiskOp(FETCH, fut, bounce, gpu_slots=d, gpu_deps=list(deps)))
+
+    def _promote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+        # Straight into the host rows (the CPU writes them: no registration limit). The
+        # worker waits for every dependency: an offload still writing a slot's previous
+        # block is a CUDA event, a demotion still reading it a disk batch.
+        rows = [self.host.raw[i] for i in d.tolist()]
+        fut = self._readers.submit(self._read_task, PROMOTE, deps, s.tolist(), rows)
+        return self._disk_op(DiskOp(PROMOTE, fut))
 
     def _bounce(self, n: int) -> torch.Tensor:
         return torch.empty((n, self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
@@ -268,7 +276,7 @@ class CudaExecutor:
     def _disk_op(self, op: DiskOp) -> DiskOp:
         self.counters.disk_batches += 1
         self._inflight.append(op)
-        if op.route is not DEMOTE:
+        if op.route is FETCH or op.route is SPILL:  # those with a GPU half
             self._unsettled.append(op)
         return op
 
@@ -276,11 +284,11 @@ class CudaExecutor:
         self._worker_wait(deps)
         self.disk.write_blocks(slots, rows)
 
-    def _read_task(self, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
+    def _read_task(self, route: Route, deps: list, slots: list[int], rows: list[torch.Tensor]) -> None:
         self._worker_wait(deps)
         t0 = time.perf_counter()
         self.disk.read_blocks(slots, rows)
-        self._timings.append((FETCH, len(slots) * self.gpu.raw.shape[1], time.perf_counter() - t0))
+        self._timings.append((route, len(slots) * self.gpu.raw.shape[1], time.perf_counter() - t0))
 
     def take_timings(self) -> list[Timing]:
         timed = self._timed

@@ -11,7 +11,7 @@ import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
 from .contract import TIMED, Event, ExecutorCounters, Timing
-from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, SPILL, Route
+from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, PROMOTE, SPILL, Route
 
 __all__ = ["DONE", "BatchLog", "HostCopies", "NullExecutor", "SyncExecutor"]
 
@@ -27,7 +27,7 @@ class HostCopies:
         self.gpu, self.host, self.disk = gpu, host, disk
         self._handlers: dict[Route, Callable[[list[int], list[int], bool], None]] = {
             OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
-            SPILL: self._spill, FETCH: self._fetch}
+            SPILL: self._spill, FETCH: self._fetch, PROMOTE: self._promote}
 
     def run(self, route: Route, src: list[int], dst: list[int], vectorized: bool) -> None:
         self._handlers[route](src, dst, vectorized)
@@ -67,6 +67,10 @@ class HostCopies:
     def _fetch(self, src: list[int], dst: list[int], vectorized: bool) -> None:
         g = self.gpu.raw
         self.disk.read_blocks(src, [g[d] for d in dst])
+
+    def _promote(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+        h = self.host.raw
+        self.disk.read_blocks(src, [h[d] for d in dst])
 
 
 class _Done:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from ..blocks import DISK, GPU, HOST, TIER_NAMES
 
-__all__ = ["DEMOTE", "FETCH", "OFFLOAD", "ONBOARD", "ROUTES", "ROUTE_NAMES", "SPILL", "STREAMS",
-           "Route", "route"]
+__all__ = ["DEMOTE", "FETCH", "OFFLOAD", "ONBOARD", "PROMOTE", "ROUTES", "ROUTE_NAMES", "SPILL",
+           "STREAMS", "Route", "route"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -33,8 +33,9 @@ ONBOARD = Route("onboard", HOST, GPU, "onboard")  # a host hit back into the GPU
 DEMOTE = Route("demote", HOST, DISK, "disk")  # an evicted host block to the disk tier
 SPILL = Route("spill", GPU, DISK, "disk")  # an evicted GPU block to disk (no host tier)
 FETCH = Route("fetch", DISK, GPU, "disk")  # a disk hit back into the GPU tier
+PROMOTE = Route("promote", DISK, HOST, "disk")  # a prefetched disk block into the host tier
 
-ROUTES = (OFFLOAD, ONBOARD, DEMOTE, SPILL, FETCH)
+ROUTES = (OFFLOAD, ONBOARD, DEMOTE, SPILL, FETCH, PROMOTE)
 ROUTE_NAMES = tuple(r.name for r in ROUTES)
 STREAMS = ("offload", "onboard", "disk")
 
