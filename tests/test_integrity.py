@@ -155,15 +155,19 @@ def test_no_disk_tier_spills_gpu_to_disk_without_host(cfg_factory):
 
 
 @pytest.mark.gpu
-def test_churn_on_cuda_with_pinned_host_tier(cfg_factory):
-    """The same churn with the GPU tier in CUDA memory and a pinned host tier."""
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_churn_on_cuda_with_pinned_host_tier(cfg_factory, prefetch):
+    """The same churn with the GPU tier in CUDA memory and a pinned host tier (and with
+    prompts prefetched: disk blocks promoted to the pinned host tier by disk workers)."""
     seams = Seams()
     cache = kvdist.testing.create(cfg_factory(gpu=24, host=8, disk=128, device="cuda"), seams)
     try:
         assert cache.device.type == "cuda" and seams.host.raw.is_pinned()
-        d = churn(cache)
+        d = churn(cache, prefetch=prefetch)
         s = cache.stats()
-        assert all(s["hit_tokens"][t] > 0 for t in ("gpu", "host", "disk")), s["hit_tokens"]
+        tiers = ("gpu", "host") if prefetch else ("gpu", "host", "disk")
+        assert all(s["hit_tokens"][t] > 0 for t in tiers), s["hit_tokens"]
+        assert (s["blocks_moved"]["promote"] > 20) == prefetch, s["blocks_moved"]
         assert d.mismatched_tokens == 0, d.first_mismatch
         print(f"\nCUDA churn: {d.checked_tokens} reused tokens checked, 0 mismatched, "
               f"hits {s['hit_tokens']}, moved {s['blocks_moved']}, path {s['transfer_path']}")
