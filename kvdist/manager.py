@@ -165,6 +165,11 @@ class CacheManager:
         """The chained hashes of the full blocks of the int32 token ids ``tok``."""
         return chain_hashes(self.salt, memoryview(tok).cast("B"), 0, len(tok) // self.tpb, self.tpb)
 
+    def _tiers_of(self, slots: list[int]) -> list[int]:
+        """The tier of each slot."""
+        gpu_end, tier_of = self.space.base[HOST], self.space.tier_of
+        return [GPU if s < gpu_end else tier_of(s) for s in slots]
+
     def gpu_budget(self, hits: list[int], n_blocks: int) -> tuple[int, int, int]:
         """For a prompt of ``n_blocks`` whose cached prefix is in slots ``hits``: (hits
         on the GPU, fresh GPU blocks it needs, GPU blocks that can be had for it)."""
@@ -322,7 +327,7 @@ class CacheManager:
         on_gpu = sum(s < gpu_end for s in hits)
         cold: list[int] | None = None  # the hits' tiers, when some are not on the GPU
         if on_gpu < len(hits):
-            cold = [GPU if s < gpu_end else space.tier_of(s) for s in hits]
+            cold = self._tiers_of(hits)
             hits = hits[: self.policy.cut(cold)]  # fetch or recompute
         on_gpu, need, available = self.gpu_budget(hits, n_blocks)
         if need > available:
@@ -389,8 +394,7 @@ class CacheManager:
         tok = token_array(tokens)
         n = len(tok)
         hits = self.index.match(self.block_hashes(tok)[: (n - 1) // self.tpb]) if n else []
-        space, gpu_end = self.space, self.space.base[HOST]
-        tiers = [GPU if s < gpu_end else space.tier_of(s) for s in hits]
+        tiers = self._tiers_of(hits)
         if DISK not in tiers:
             return 0
         k = self.policy.cut(tiers)

@@ -82,16 +82,22 @@ def tiers_of_hits(m, tokens: list[int]) -> list[int]:
     return [m.space.tier_of(s) for s in m.index.match(hashes)]
 
 
+def _throttled_cache(cfg_factory):
+    """A cache of 512 B blocks (GPU 4, host 3, disk 8) whose disk reads at most 20 kB/s,
+    and its seams."""
+    cfg = cfg_factory(gpu=4, host=3, disk=8)
+    cfg["cache"]["disk"]["max_read_bytes_per_s"] = 20_000
+    seams = Seams()
+    return kvdist.testing.create(cfg, seams), seams
+
+
 def test_a_throttled_disk_is_turned_down_and_host_hits_still_reused(cfg_factory):
     """Blocks of 512 B; the disk reads at most 20 kB/s (26 ms a block); the engine says
     it computes 400 tokens/s (10 ms a block: a host copy takes far less, even on a
     loaded machine). The first disk hit is fetched (nothing
     measured yet) and timed; from then on every prompt's reuse stops at its first disk
     block, and host hits before it are fetched. The bytes stay right throughout."""
-    cfg = cfg_factory(gpu=4, host=3, disk=8)
-    cfg["cache"]["disk"]["max_read_bytes_per_s"] = 20_000
-    seams = Seams()
-    cache = kvdist.testing.create(cfg, seams)
+    cache, seams = _throttled_cache(cfg_factory)
     try:
         d = IntegrityDriver(cache)
         policy = cache.stats()["fetch_policy"]
@@ -131,10 +137,7 @@ def test_once_the_disk_is_turned_down_host_evictions_drop_instead_of_demoting(cf
     """A disk slower than recomputing gets no more demotions: a host block evicted then
     is dropped (no write traffic for a block nobody will fetch back), while before the
     disk figure is known host evictions demote as usual. Bytes stay right."""
-    cfg = cfg_factory(gpu=4, host=3, disk=8)
-    cfg["cache"]["disk"]["max_read_bytes_per_s"] = 20_000
-    seams = Seams()
-    cache = kvdist.testing.create(cfg, seams)
+    cache, _ = _throttled_cache(cfg_factory)
     try:
         d = IntegrityDriver(cache)
         demotes_after_turned_down = drops_after = 0

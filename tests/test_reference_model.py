@@ -35,26 +35,35 @@ from kvdist.prefix import PrefixIndex, split
 from kvdist.testing import IntegrityDriver, Seams
 from kvdist.transfer.executors import NullExecutor
 
-# -- FreeStack ----------------------------------------------------------------------------------
+# -- FreeStack, FreeQueue ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["stack", "queue"])
 @pytest.mark.parametrize("seed", range(4))
-def test_free_stack_against_list(seed):
+def test_free_list_against_python(seed, kind):
+    """FreeStack against a list used as a stack, FreeQueue against a deque: both pop
+    ascending ids first, then the last freed (stack) or the first freed (queue)."""
     rng = random.Random(seed)
     base, cap = 100 * seed, 40
-    fs = FreeStack(base, cap)
-    ref = list(range(base + cap - 1, base - 1, -1))  # pops ascending ids first
+    if kind == "stack":
+        fs = FreeStack(base, cap)
+        ref = deque(range(base + cap - 1, base - 1, -1))
+        take, order = ref.pop, lambda: list(ref)[::-1]
+    else:
+        fs = FreeQueue(base, cap)
+        ref = deque(range(base, base + cap))
+        take, order = ref.popleft, lambda: list(ref)
     out: list[int] = []  # popped slots, the only ones that may be pushed back
     for _ in range(600):
         op = rng.random()
         if op < 0.35:
-            expect = ref.pop() if ref else NO_SLOT
+            expect = take() if ref else NO_SLOT
             assert fs.pop() == expect
             if expect != NO_SLOT:
                 out.append(expect)
         elif op < 0.55:
             n = rng.randint(0, len(ref))
-            expect = [ref.pop() for _ in range(n)]
+            expect = [take() for _ in range(n)]
             assert fs.pop_many(n) == expect
             out.extend(expect)
         elif out:
@@ -62,34 +71,7 @@ def test_free_stack_against_list(seed):
             fs.push(s)
             ref.append(s)
         assert len(fs) == len(ref)
-        assert fs.snapshot().tolist() == ref[::-1]
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_free_queue_against_deque(seed):
-    rng = random.Random(seed)
-    base, cap = 100 * seed, 40
-    fq = FreeQueue(base, cap)
-    ref = deque(range(base, base + cap))  # pops ascending ids first, then first freed first
-    out: list[int] = []
-    for _ in range(600):
-        op = rng.random()
-        if op < 0.35:
-            expect = ref.popleft() if ref else NO_SLOT
-            assert fq.pop() == expect
-            if expect != NO_SLOT:
-                out.append(expect)
-        elif op < 0.55:
-            n = rng.randint(0, len(ref))
-            expect = [ref.popleft() for _ in range(n)]
-            assert fq.pop_many(n) == expect
-            out.extend(expect)
-        elif out:
-            s = out.pop(rng.randrange(len(out)))
-            fq.push(s)
-            ref.append(s)
-        assert len(fq) == len(ref)
-        assert fq.snapshot().tolist() == list(ref)
+        assert fs.snapshot().tolist() == order()
 
 
 # -- PriorityLRU --------------------------------------------------------------------------------

@@ -75,6 +75,10 @@ class _Batch:
     rkeys: list[int] = field(default_factory=list)  # tracking key read, per copy (tracking != "slot")
     wkeys: list[int] = field(default_factory=list)  # tracking key written, per copy
 
+    @property
+    def size(self) -> int:
+        return len(self.src) + self.in_parts
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         srcs = [p[0] for p in self.parts] + [np.array(self.src, dtype=np.int64)]
         dsts = [p[1] for p in self.parts] + [np.array(self.dst, dtype=np.int64)]
@@ -191,7 +195,7 @@ class TransferEngine:
         tok = b.token << 1
         mark[ks] = tok
         mark[kd] = tok | 1
-        if route is self._limited and len(b.src) + b.in_parts >= self._limit:
+        if route is self._limited and b.size >= self._limit:
             self._flush(route)
 
     def copy_many(self, route: Route, src, dst) -> None:
@@ -213,17 +217,17 @@ class TransferEngine:
             for a, b in zip(s.tolist(), d.tolist()):  # hazards inside: one by one
                 self.copy(route, a, b)
             return
-        if route is self._limited:
-            for i in range(0, len(s), self._limit):
-                self._add_part(route, s[i:i + self._limit], d[i:i + self._limit])
-                b = self._open.get(route)
-                if b is not None and len(b.src) + b.in_parts >= self._limit:
-                    self._flush(route)
-        else:
+        if route is not self._limited:
             self._add_part(route, s, d)
+            return
+        n = self._limit
+        for i in range(0, len(s), n):
+            if self._add_part(route, s[i:i + n], d[i:i + n]).size >= n:
+                self._flush(route)
 
-    def _add_part(self, route: Route, s: np.ndarray, d: np.ndarray) -> None:
-        """``copy_many``'s copies, free of hazards among themselves, into the open batch."""
+    def _add_part(self, route: Route, s: np.ndarray, d: np.ndarray) -> _Batch:
+        """``copy_many``'s copies, free of hazards among themselves, into the open batch
+        of ``route`` (returned)."""
         mark = self._mark
         if "S2" in self.rules and self._by_token:
             m = np.concatenate((mark[s], mark[d]))
@@ -234,6 +238,7 @@ class TransferEngine:
         tok = b.token << 1
         mark[s] = tok
         mark[d] = tok | 1
+        return b
 
     def _flush_conflicting(self, route: Route, marks: Iterable[int]) -> None:
         """S2 across batches: before a copy along ``route`` touches keys with these
