@@ -4,7 +4,8 @@ against the cache, and verifies what the cache hands back.
 
 Per step: ``begin_step`` → the scheduler's plan (a replica's scheduler prefetches
 arrivals here) → ``add_sequence`` for admitted prompts and ``append_tokens`` for
-decodes → ``block_table`` → the model's forward pass through ``kv_pool`` (one
+decodes, and ``prefetch`` for the requests next in line (their disk blocks start moving
+into the host tier) → ``block_table`` → the model's forward pass through ``kv_pool`` (one
 allreduce per layer) → check every reused block against its reference digest and a
 sample of logits → ``end_step`` → ``release`` of finished requests. Every step the
 ranks also confirm that they reused the same prefixes (their caches must decide
@@ -137,6 +138,16 @@ class Simulation:
     def _before_step(self) -> None:
         """The scheduler keeps its own time: one step of the trace per step."""
 
+    def _look_ahead(self) -> None:
+        """After the step's admissions: start reading the disk blocks of the requests
+        next in line into the host tier (``cache.prefetch``), so that their admission
+        onboards from host memory instead of making the host wait for the disk. Once
+        per request; the list is the scheduler's, alike on every rank."""
+        for req in self.sched.upcoming():
+            if req.rid not in self._prefetched:
+                self._prefetched.add(req.rid)
+                self.cache.prefetch(req.rid, req.prompt.tolist())
+
     def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         if self.shadows is not None:
             self.shadows.step([r.req for r in plan.prefills], appends, [r.req.rid for r in done])
@@ -166,6 +177,7 @@ class Simulation:
         self.checks: CheckCounts = self.verify.counts
         self.tolerance = self.verify.tolerance
         self.clock = _Clock()
+        self._prefetched: set[int] = set()  # requests whose disk blocks were looked ahead to
         self._setup_reporting()
 
     # -- one step --------------------------------------------------------------------------------
@@ -191,6 +203,7 @@ class Simulation:
             reused.append(cache.add_sequence(run.req.rid, run.req.prompt.tolist(), w.priority))
             self.ledger.admit(run.req.rid, run.req.prompt)
             self.latency.admitted(run.req, started)
+        self._look_ahead()
         appends = [(run.req.rid, int(run.req.output[run.generated - 1])) for run in plan.decodes]
         for rid, token in appends:
             cache.append_tokens(rid, [token])

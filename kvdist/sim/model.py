@@ -76,7 +76,7 @@ class Geometry:
 
 
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return F.rms_norm(x, (x.shape[-1],), eps=1e-6)
 
 
 def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
@@ -123,33 +123,34 @@ class Decoder:
 
     # -- pieces ---------------------------------------------------------------------------------
     def _rotation(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D/2]`` of the positions ``pos [T]``, once per forward pass."""
+        """Full-width cos and ``[-sin, sin]`` ``[T, 1, D]`` of the positions ``pos [T]``
+        (half-split pairs; an odd last dimension stays as it is), once per forward pass."""
         ang = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        return ang.cos()[:, None, :], ang.sin()[:, None, :]
+        cos, sin = ang.cos(), ang.sin()
+        odd = torch.ones(len(pos), self.D % 2, device=pos.device)
+        return (torch.cat([cos, cos, odd], -1)[:, None, :],
+                torch.cat([-sin, sin, odd * 0], -1)[:, None, :])
 
     def _rope(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` by ``rot`` (``_rotation``; half-split pairs), in float32."""
+        """Rotate ``x [T, H, D]`` by ``rot`` (``_rotation``) in float32: pair ``(a, b)``
+        of dims ``(i, i + D/2)`` becomes ``(a cos - b sin, a sin + b cos)``. A handful
+        of kernels for any number of heads: a step's queries and keys go together."""
         half = self.D // 2
         x = x.to(torch.float32)
-        if half == 0:
-            return x
         cos, sin = rot
-        a, b = x[..., :half], x[..., half: 2 * half]
-        out = x.clone()
-        out[..., :half] = a * cos - b * sin
-        out[..., half: 2 * half] = a * sin + b * cos
-        return out
+        swapped = torch.cat([x[..., half: 2 * half], x[..., :half], x[..., 2 * half:]], -1)
+        return torch.addcmul(x * cos, swapped, sin)
 
     def _qkv(self, layer: int, x: torch.Tensor, rot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed input ``h``, queries ``[T, Hq, D]`` (compute dtype) and the new K/V
         ``[T, 2, H, D]`` in the cache's dtype."""
         h = _rms_norm(x).to(self.cdt)
         qkv = h @ self.wqkv[layer]
-        T, nq = len(x), self.Hq * self.D
-        q = self._rope(qkv[:, :nq].view(T, self.Hq, self.D), rot).to(self.cdt)
-        k = self._rope(qkv[:, nq: nq + self.H * self.D].view(T, self.H, self.D), rot)
-        v = qkv[:, nq + self.H * self.D:].view(T, self.H, self.D)
-        return h, q, torch.stack([k.to(self.kv_dtype), v.to(self.kv_dtype)], dim=1)
+        T, nq, nk = len(x), self.Hq * self.D, self.H * self.D
+        qk = self._rope(qkv[:, : nq + nk].view(T, self.Hq + self.H, self.D), rot)
+        v = qkv[:, nq + nk:].view(T, self.H, self.D)
+        kv = torch.stack([qk[:, self.Hq:].to(self.kv_dtype), v.to(self.kv_dtype)], dim=1)
+        return h, qk[:, : self.Hq].to(self.cdt), kv
 
     def _layer_tail(self, layer: int, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         gate, up = (h @ self.w13[layer]).chunk(2, dim=-1)

@@ -78,6 +78,9 @@ class ReplicaSimulation(Simulation):
         self.world.barrier()
         self.t0 = time.monotonic()
 
+    def _look_ahead(self) -> None:
+        """The admission gate prefetches each request once its blocks are reserved."""
+
     def _before_step(self) -> None:
         """The trace's time by the wall clock, one step per ``workload.step_ms``, the
         same on every replica; agreed inside the TP group (the ranks read the clock at

@@ -137,6 +137,21 @@ class Scheduler:
         assert plan.batch or eligible, "a step with nothing to do"  # empty: held by the gate
         return plan
 
+    def upcoming(self) -> list[Request]:
+        """The arrived requests next in line, as many as one step could admit (under
+        ``max_batch`` and ``max_prefill_tokens``, at least one): what a step's
+        ``cache.prefetch`` looks ahead to. Depends only on the scheduler's state, so
+        every rank of a TP group sees the same list."""
+        out, tokens = [], 0
+        for req in self._waiting:
+            if req.after in self._mine and req.after not in self._finished:
+                continue  # its previous turn is still running: its prompt is not cached yet
+            if out and (len(out) >= self.max_batch or tokens + len(req.prompt) > self.max_prefill_tokens):
+                break
+            out.append(req)
+            tokens += len(req.prompt)
+        return out
+
     def next_arrival(self) -> float | None:
         """Arrival time (seconds) of the next request not visible yet."""
         return self._pending[0].arrival_s if self._pending else None

@@ -36,7 +36,7 @@ compare() {  # $1: label, then run arguments; keeps results.json and the TTFT pl
 }
 if has 1; then
     echo "== CUDA tests"
-    python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_model_cuda.py tests/test_layerwise_cuda.py \
+    python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_attention.py tests/test_model_cuda.py tests/test_layerwise_cuda.py \
         2>&1 | tee "$O/cuda-tests.log" | grep -E "passed|failed|rror|relative|logit diff"
     if grep -q "test_layerwise_cuda.*FAILED\|FAILED tests/test_layerwise_cuda" "$O/cuda-tests.log"; then
         echo "layer-wise onboarding failed its CUDA test: the runs below copy whole steps (layer_groups: 1)"
