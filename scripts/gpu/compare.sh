@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Time, not tokens, on a GPU machine. From the repo root of a CUDA machine:
-#   bash scripts/gpu/compare.sh                       (about 13 minutes on the H200)
-# Measured 2026-11-30: steps 1-3 took 4.5 minutes (bench layerwise 20 s, capacity 181 s),
-# step 4 about 6, step 5 about 2; under a 10-minute limit per call run STEPS="1 2 3",
-# then STEPS="4 5" RATE=<the rate step 3 printed> (9.7 on the H200).
+#   bash scripts/gpu/compare.sh                       (about 10 minutes on the H200)
+# Measured 2026-12-01: capacity (step 3) 137 s, step 4 305 s, step 5 95 s; under a
+# 10-minute limit per call run STEPS="1 2 3", then STEPS="4 5" RATE=<the rate step 3
+# printed> (12.3 on the H200).
 #   1. CUDA tests of the model (flash vs SDPA over the paged pool, cached bf16 forward vs
 #      recompute) and of layer-wise onboarding (gated onboard stream, S5 on and off);
 #   2. bench layerwise: compute waits on onboarding, whole step vs layer groups, equal bytes;
@@ -56,7 +56,7 @@ if has 3 && [ -z "${RATE:-}" ]; then
 print(round(0.7 * r['runs']['gpu-only']['latency']['requests_per_s'], 1))")
     echo "rate for the comparison: 0.7 x GPU-only's capacity = $RATE requests/s"
 fi
-RATE=${RATE:-10}
+RATE=${RATE:-12.3}
 if has 4; then
     echo "== run --compare at $RATE requests/s"
     compare h200 --config $CONFIG --compare --rate "$RATE"
