@@ -23,7 +23,7 @@ from kvdist.sim.model import Decoder, Geometry, Segment
 from kvdist.sim.parallel import TensorParallel
 from kvdist.sim.report import REQUIRED_KEYS
 from kvdist.sim.scheduler import Scheduler
-from kvdist.sim.workload import generate
+from kvdist.sim.workload import Request, Trace, generate
 
 from .conftest import make_cfg
 
@@ -138,6 +138,33 @@ def test_scheduler_is_deterministic_and_refuses_a_request_that_cannot_fit():
         Scheduler(generate(w), max_batch=4, max_prefill_tokens=100, gpu_blocks=10, tokens_per_block=4)
 
 
+def test_upcoming_is_what_the_next_step_could_admit_in_line():
+    def req(rid, n, after=-1, arrival=0):
+        return Request(rid, chat=rid, turn=0, arrival=arrival, prompt=np.arange(n, dtype=np.int32),
+                       output=np.zeros(3, np.int32), after=after)
+
+    # 0 holds the GPU tier (11 of 14 blocks); 1 is 0's next turn; 5 has not arrived.
+    trace = Trace([req(0, 40), req(1, 40, after=0), req(2, 30), req(3, 50), req(4, 10),
+                   req(5, 10, arrival=5)], system_prompts=[])
+
+    def first_step(**limits):
+        sched = Scheduler(trace, gpu_blocks=14, tokens_per_block=4, **limits)
+        assert [r.req.rid for r in sched.next_step().prefills] == [0]
+        return sched
+
+    # In line: 2, 3, 4 (1 waits for 0's reply): as many as one step's limits admit.
+    assert [r.rid for r in first_step(max_batch=8, max_prefill_tokens=85).upcoming()] == [2, 3]
+    assert [r.rid for r in first_step(max_batch=8, max_prefill_tokens=90).upcoming()] == [2, 3, 4]
+    assert [r.rid for r in first_step(max_batch=2, max_prefill_tokens=90).upcoming()] == [2, 3]
+    # At least one, however long.
+    assert [r.rid for r in first_step(max_batch=8, max_prefill_tokens=20).upcoming()] == [2]
+    sched = Scheduler(trace, max_batch=8, max_prefill_tokens=200, gpu_blocks=14, tokens_per_block=4)
+    for _ in range(3):  # 0 prefills, decodes twice and finishes: its next turn joins the line
+        sched.complete(sched.next_step())
+    assert [r.req.rid for r in sched.running] == [] and sched.finished == 1
+    assert [r.rid for r in sched.upcoming()] == [1, 2, 3, 4]
+
+
 # -- the model against a cache ------------------------------------------------------------------
 def test_cached_forward_equals_a_from_scratch_recompute(tmp_path):
     cfg = sim_cfg(tmp_path)
@@ -222,6 +249,8 @@ def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path, simulate_asy
     r = run(cfg, RunOptions(out=str(tmp_path / "runs"), progress=False))
     assert r["ok"] and r["integrity_mismatches"] == 0
     assert all(r["reused_tokens"][t] > 0 for t in ("gpu", "host", "disk")), r["reused_tokens"]
+    # The requests next in line had their disk blocks moved to the host tier ahead.
+    assert r["blocks_moved_per_rank"]["promote"] > 0, r["blocks_moved_per_rank"]
     assert r["requests"] == W["requests"] and r["world_size"] == 1
     i = r["integrity"]
     assert i["blocks_checked"] * 4 == sum(r["reused_tokens"].values())
