@@ -4,7 +4,7 @@
 # Measured 2026-12-01: capacity (step 3) 137 s, step 4 305 s, step 5 95 s; under a
 # 10-minute limit per call run STEPS="1 2 3", then STEPS="4 5" RATE=<the rate step 3
 # printed> (12.3 on the H200).
-#   1. CUDA tests of the model (flash vs SDPA over the paged pool, cached bf16 forward vs
+#   1. CUDA tests of the model (each attention kernel vs each segment alone, cached bf16 forward vs
 #      recompute) and of layer-wise onboarding (gated onboard stream, S5 on and off);
 #   2. bench layerwise: compute waits on onboarding, whole step vs layer groups, equal bytes;
 #   3. capacity: all tiers and GPU only with every request arriving at once (--rate 1000):
