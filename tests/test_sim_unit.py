@@ -16,7 +16,7 @@ from kvdist.candidate import plan_capacity
 from kvdist.config import WorkloadConfig
 from kvdist.layout import KVLayout
 from kvdist.sim.clock import Latencies
-from kvdist.sim.driver import RunOptions, Simulation, run
+from kvdist.sim.driver import CACHE_CALLS, RunOptions, Simulation, run
 from kvdist.sim.integrity import BlockLedger
 from kvdist.sim.metrics import MetricsServer, snapshot_from
 from kvdist.sim.model import Decoder, Geometry, Segment
@@ -251,6 +251,9 @@ def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path, simulate_asy
     assert all(r["reused_tokens"][t] > 0 for t in ("gpu", "host", "disk")), r["reused_tokens"]
     # The requests next in line had their disk blocks moved to the host tier ahead.
     assert r["blocks_moved_per_rank"]["promote"] > 0, r["blocks_moved_per_rank"]
+    calls = r["cache_calls_us_per_step"]  # each call timed on its own, inside the cache's time
+    assert list(calls) == list(CACHE_CALLS) and all(us > 0 for us in calls.values()), calls
+    assert sum(calls.values()) <= r["cache_api_us_per_step"]
     assert r["requests"] == W["requests"] and r["world_size"] == 1
     i = r["integrity"]
     assert i["blocks_checked"] * 4 == sum(r["reused_tokens"].values())

@@ -61,10 +61,16 @@ class RunOptions:
     configs: tuple[str, ...] = ("all-tiers", "gpu-only", "no-reuse")  # compared (compare.CONFIGS)
 
 
+# The cache calls of a step, each timed on its own (results: cache_calls_us_per_step).
+CACHE_CALLS = ("begin_step", "add_sequence", "prefetch", "append_tokens", "block_table", "end_step",
+               "release")
+
+
 @dataclass(slots=True)
 class _Clock:
-    cache_api: float = 0.0
+    cache_api: float = 0.0  # the step outside the model's forward pass and the checks
     model: float = 0.0
+    calls: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CACHE_CALLS, 0.0))
     started: float = field(default_factory=time.perf_counter)
     last_update: float = 0.0  # of the progress bar's figures
 
@@ -187,6 +193,8 @@ class Simulation:
         now = self.time.now() if self.realtime else None  # rank 0's, on every rank
         t0 = time.perf_counter()
         cache.begin_step()
+        calls = self.clock.calls
+        calls["begin_step"] += time.perf_counter() - t0
         plan = self.sched.next_step(now)  # in the step: a prefetch may evict, like add_sequence
         if plan is None:  # real time: nothing arrived yet; close the step, wait for the next
             cache.end_step()
@@ -200,15 +208,24 @@ class Simulation:
         started = now or 0.0
         reused = []
         for run in plan.prefills:
-            reused.append(cache.add_sequence(run.req.rid, run.req.prompt.tolist(), w.priority))
+            tokens = run.req.prompt.tolist()
+            ta = time.perf_counter()
+            reused.append(cache.add_sequence(run.req.rid, tokens, w.priority))
+            calls["add_sequence"] += time.perf_counter() - ta
             self.ledger.admit(run.req.rid, run.req.prompt)
             self.latency.admitted(run.req, started)
+        ta = time.perf_counter()
         self._look_ahead()
+        tb = time.perf_counter()
+        calls["prefetch"] += tb - ta
         appends = [(run.req.rid, int(run.req.output[run.generated - 1])) for run in plan.decodes]
         for rid, token in appends:
             cache.append_tokens(rid, [token])
+        ta = time.perf_counter()
+        calls["append_tokens"] += ta - tb
         table = cache.block_table([run.req.rid for run in plan.batch])
         t1 = time.perf_counter()
+        calls["block_table"] += t1 - ta
         # One allreduce: the ranks reused alike, and whether any was asked to stop (a
         # signal): all then stop after this same step.
         same, stop = self.tp.agree([len(plan.batch), *reused], process.encode_stop(self.tp.rank))
@@ -230,10 +247,14 @@ class Simulation:
             paused = time.perf_counter() - t_check
         t3 = time.perf_counter()
         cache.end_step()
+        ta = time.perf_counter()
+        calls["end_step"] += ta - t3
         for run in done:
             cache.release(run.req.rid)
-            self.ledger.release(run.req.rid)
         t4 = time.perf_counter()
+        calls["release"] += t4 - ta
+        for run in done:
+            self.ledger.release(run.req.rid)
         self.clock.cache_api += (t1 - t0) + (t4 - t3)
         self.clock.model += t2 - t1
         self.latency.busy_s += t4 - t0 - paused
@@ -372,6 +393,7 @@ class Simulation:
                 "ledger": [led.checked_blocks, led.mismatched_blocks, led.unknown_blocks, led.variants,
                            led.first_mismatch],
                 "clock": [self.clock.cache_api, self.clock.model],
+                "calls": self.clock.calls,
                 "logits": [c.logits_checked, c.logits_failed, c.logits_max_abs_diff]}
         everyone = self.tp.gather(mine)
         results = None

@@ -72,6 +72,8 @@ def render(r: dict) -> str:
     out.append(f"per step: cache bookkeeping {r['bookkeeping_us_per_step']:.0f} µs, all cache calls "
                f"{r['cache_api_us_per_step']:.0f} µs (of which waiting for disk work "
                f"{r.get('host_wait_us_per_step', 0.0):.0f} µs), model {r['model_ms_per_step']:.1f} ms")
+    calls = r.get("cache_calls_us_per_step", {})
+    out.append("cache calls per step: " + ", ".join(f"{name} {us:.0f} µs" for name, us in calls.items()))
     i = r["integrity"]
     out.append("")
     out.extend(check_lines(i, f"on {r['world_size']} ranks"))

@@ -93,6 +93,8 @@ def assemble(f: RunFacts, everyone: list[dict]) -> dict:
         "host_waits_on_disk": _sum(everyone, "host_waits_on_disk"),
         "compute_wait_us_per_step": 1e6 * max(e["stats"]["compute_wait_seconds"] for e in everyone) / steps,
         "cache_api_us_per_step": 1e6 * sum(e["clock"][0] for e in everyone) / world / steps,
+        "cache_calls_us_per_step": {name: 1e6 * sum(e["calls"][name] for e in everyone) / world / steps
+                                    for name in everyone[0]["calls"]},
         "model_ms_per_step": 1e3 * sum(e["clock"][1] for e in everyone) / world / steps,
         "integrity_mismatches": mismatches,
         "integrity": integrity,
