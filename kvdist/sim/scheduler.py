@@ -108,8 +108,7 @@ class Scheduler:
         plan = StepPlan(self.step, self.clock, decodes=list(self.running))
         prefill_tokens = 0
         admitted: list[Request] = []
-        # A chat's previous turn still running here holds its next turn back.
-        eligible = [r for r in self._waiting if r.after not in self._mine or r.after in self._finished]
+        eligible = self._eligible()
         allowed = None if self.gate is None else self._gate(eligible)
         for req in eligible:
             if allowed is not None and req.rid not in allowed:
@@ -143,14 +142,17 @@ class Scheduler:
         ``cache.prefetch`` looks ahead to. Depends only on the scheduler's state, so
         every rank of a TP group sees the same list."""
         out, tokens = [], 0
-        for req in self._waiting:
-            if req.after in self._mine and req.after not in self._finished:
-                continue  # its previous turn is still running: its prompt is not cached yet
+        for req in self._eligible():
             if out and (len(out) >= self.max_batch or tokens + len(req.prompt) > self.max_prefill_tokens):
                 break
             out.append(req)
             tokens += len(req.prompt)
         return out
+
+    def _eligible(self) -> list[Request]:
+        """The arrived requests, in order, but for a chat's turn whose previous turn still
+        runs here (that turn holds it back, and its prompt is not cached yet)."""
+        return [r for r in self._waiting if r.after not in self._mine or r.after in self._finished]
 
     def next_arrival(self) -> float | None:
         """Arrival time (seconds) of the next request not visible yet."""
