@@ -70,6 +70,7 @@ class FakeCopier:
         self.batches: Counter[str] = Counter()
         self.api_calls: Counter[str] = Counter()
         self.blocks = 0
+        self.entries = 0
 
     def copy(self, stream, src_rows, dst_rows, src, dst, *, src_chunk=0, dst_chunk=0) -> str:
         assert isinstance(stream, FakeStream)
@@ -77,6 +78,7 @@ class FakeCopier:
         self.batches[self.path] += 1
         self.api_calls[self.path] += 1
         self.blocks += len(src)
+        self.entries += len(src)
         return self.path
 
     def describe(self) -> dict:
@@ -201,4 +203,5 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed, group
     assert wrong == [], f"slots {wrong} hold other bytes than a sequential replay gives"
     st = ex.stats()
     assert st["disk_batches"] > 0 and st["blocks"] > 0 and st["path"] == "fake"
+    assert st["bounces_lent"] == 0, "a bounce buffer outlived its batch"
     assert not ex._inflight and not ex._unsettled

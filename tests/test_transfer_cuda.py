@@ -16,7 +16,7 @@ import torch
 import kvdist
 import kvdist.testing
 from kvdist.testing import Seams
-from kvdist.transfer import ALL_RULES, OFFLOAD
+from kvdist.transfer import ALL_RULES, OFFLOAD, ONBOARD
 
 from .cuda_gate import SpinGate
 from .test_transfer_scenarios import SCENARIOS, SimHarness, fill, host_tag, tag_of
@@ -119,8 +119,11 @@ def test_scenario_rule_off_goes_wrong_on_cuda(cfg_factory, name):
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
-    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch and
-    layer group (the test geometry has 2 layers: 2 groups at most)."""
+    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch: an
+    offload whole (runs merged), an onboard once per layer group (the test geometry has
+    2 layers: 2 groups at most), each block's slice of a group one copy of its own."""
+    from kvdist.transfer.batchcopy import coalesce
+
     seams = Seams()
     cache = kvdist.testing.create(cfg_factory(gpu=64, host=64, device="cuda", layer_groups=groups), seams)
     try:
@@ -139,8 +142,24 @@ def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
         cache.synchronize()
         assert torch.equal(h[torch.as_tensor(dst)], g[torch.as_tensor(src)].cpu())
         st = cache.stats()["transfer"]
-        assert st["batches_by_path"] == {"memcpy-batch": groups}
-        assert st["copy_calls_by_path"] == {"memcpy-batch": groups}
+        assert st["batches_by_path"] == {"memcpy-batch": 1}
+        runs = len(coalesce(src, dst, 0, h.shape[0])[0])
+        assert st["copy_entries"] == runs
+        back = rng.permutation(64)[:40]  # host dst -> GPU back: one copy per block and group
+        g.zero_()
+        engine.begin_step()
+        for s, d in zip(dst.tolist(), back.tolist()):
+            engine.copy(ONBOARD, G + s, d)
+        engine.before_compute(layered=groups > 1)
+        for layer in range(2):
+            engine.before_layer(layer)
+        cache.synchronize()
+        assert torch.equal(g[torch.as_tensor(back)].cpu(), h[torch.as_tensor(dst)])
+        st = cache.stats()["transfer"]
+        assert st["batches_by_path"] == {"memcpy-batch": 1 + groups}
+        assert st["copy_calls_by_path"] == {"memcpy-batch": 1 + groups}
+        onboard_entries = 40 * groups if groups > 1 else len(coalesce(dst, back)[0])
+        assert st["copy_entries"] == runs + onboard_entries
         assert cache.stats()["transfer_path"] == "memcpy-batch"
     finally:
         cache.close()

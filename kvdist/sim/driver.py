@@ -389,7 +389,9 @@ class Simulation:
                 "host_wait_seconds", "host_wait_read_seconds", "host_waits_on_disk", "compute_wait_seconds",
                 "fetch_policy", "transfer_path", "capacity_blocks", "block_bytes")
         led, c = self.ledger, self.checks
-        mine = {"stats": {k: s[k] for k in keys},
+        t = s["transfer"]  # the CUDA executor's submission counters (absent elsewhere)
+        mine = {"stats": {k: s[k] for k in keys} | {"copy_entries": t.get("copy_entries", 0),
+                                                   "submit_seconds": t.get("submit_seconds", {})},
                 "ledger": [led.checked_blocks, led.mismatched_blocks, led.unknown_blocks, led.variants,
                            led.first_mismatch],
                 "clock": [self.clock.cache_api, self.clock.model],

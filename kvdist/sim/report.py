@@ -74,6 +74,9 @@ def render(r: dict) -> str:
                f"{r.get('host_wait_us_per_step', 0.0):.0f} µs), model {r['model_ms_per_step']:.1f} ms")
     calls = r.get("cache_calls_us_per_step", {})
     out.append("cache calls per step: " + ", ".join(f"{name} {us:.0f} µs" for name, us in calls.items()))
+    if r.get("copy_entries_per_step"):  # the CUDA executor
+        out.append(f"copies per step: {r['copy_entries_per_step']:.0f} handed to the driver, submitted in "
+                   + ", ".join(f"{route} {us:.0f} µs" for route, us in r["copy_submit_us_per_step"].items()))
     i = r["integrity"]
     out.append("")
     out.extend(check_lines(i, f"on {r['world_size']} ranks"))

@@ -32,6 +32,12 @@ def _sum(everyone: list[dict], key: str) -> float:
     return sum(e["stats"][key] for e in everyone)
 
 
+def _per_step_by_key(everyone: list[dict], key: str, rank_steps: int) -> dict[str, float]:
+    """µs per step and rank of each entry of the per-rank dicts of seconds ``key``."""
+    names = sorted({name for e in everyone for name in e["stats"][key]})
+    return {n: 1e6 * sum(e["stats"][key].get(n, 0.0) for e in everyone) / rank_steps for n in names}
+
+
 def _integrity(f: RunFacts, everyone: list[dict]) -> dict:
     ledgers = [e["ledger"] for e in everyone]
     logits = [e["logits"] for e in everyone]
@@ -95,6 +101,10 @@ def assemble(f: RunFacts, everyone: list[dict]) -> dict:
         "cache_api_us_per_step": 1e6 * sum(e["clock"][0] for e in everyone) / world / steps,
         "cache_calls_us_per_step": {name: 1e6 * sum(e["calls"][name] for e in everyone) / world / steps
                                     for name in everyone[0]["calls"]},
+        # The CUDA executor's host time handing copies to the driver, by route, and the
+        # copies handed over (a run of blocks, or one layer group of a block, each).
+        "copy_submit_us_per_step": _per_step_by_key(everyone, "submit_seconds", world * steps),
+        "copy_entries_per_step": _sum(everyone, "copy_entries") / world / steps,
         "model_ms_per_step": 1e3 * sum(e["clock"][1] for e in everyone) / world / steps,
         "integrity_mismatches": mismatches,
         "integrity": integrity,

@@ -105,6 +105,7 @@ class BatchCopier:
         self.batches: Counter[str] = Counter()  # batches per path
         self.api_calls: Counter[str] = Counter()  # CUDA copy calls per path
         self.blocks = 0
+        self.entries = 0  # copies handed to the driver (a run or a layer group's slice each)
 
     # -- discovery ---------------------------------------------------------------------------
     def _runtime_version(self) -> int:
@@ -191,6 +192,7 @@ class BatchCopier:
             with torch.cuda.stream(stream):
                 for s, d in zip(src.tolist(), dst.tolist()):
                     dst_rows[d].copy_(src_rows[s], non_blocking=True)
+            self.entries += n
             self._count(path, n)
             return path
         size = src_rows.shape[1]
@@ -206,6 +208,7 @@ class BatchCopier:
             sizes = (length * size).astype(np.uint64)
             err = self._batch(dsts, srcs, sizes, len(sizes), stream.cuda_stream)
             if err == 0:
+                self.entries += len(sizes)
                 self._count(path, 1)
                 return path
             # Not supported here after all (e.g. an older driver): never try it again.
@@ -213,6 +216,7 @@ class BatchCopier:
             self._batch = None
             self.path = "runs"
         self._runs(stream, src_rows, dst_rows, s0, d0, length)
+        self.entries += len(length)
         self._count("runs", len(length))
         return "runs"
 

@@ -26,7 +26,7 @@ is timed between two events on it (``compute_wait_seconds``)."""
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ import torch
 from ..layout import LayerGroups
 from ..storage import DiskPool, GpuPool, HostPool
 from .batchcopy import BatchCopier
+from .bounce import BouncePool
 from .contract import Event, ExecutorCounters, Timing
 from .executors import BatchLog
 from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, PROMOTE, SPILL, Route
@@ -75,7 +76,8 @@ class DiskOp:
 
     route: Route
     future: Future
-    bounce: torch.Tensor | None = None
+    bounce: torch.Tensor | None = None  # the first rows of ``buffer``
+    buffer: torch.Tensor | None = None  # the pool's, given back once the batch is complete
     gpu_event: torch.cuda.Event | Grouped | None = None
     gpu_slots: np.ndarray | None = None  # fetch: where the GPU half writes
     gpu_deps: list = field(default_factory=list)  # fetch: what the GPU half waits for
@@ -109,9 +111,11 @@ class CudaExecutor:
         self._workers, self._readers = workers("write"), workers("read")
         # Host blocks per CUDA registration: a merged copy must not cross one (see coalesce).
         self._host_chunk = host.chunk_blocks if host is not None else 0
-        self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (keep bounces alive)
+        self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (hold their bounces)
+        self._bounces = BouncePool(gpu.raw.shape[1])
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
+        self.submit_seconds: Counter[str] = Counter()  # host time in ``submit``, by route
         self.log = log
         self._handlers = {OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
                           SPILL: self._spill, FETCH: self._fetch, PROMOTE: self._promote}
@@ -122,6 +126,7 @@ class CudaExecutor:
         self._waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._compute_wait_s = 0.0
         self._layer_events: list = []  # of the last compute_wait(layered=True)
+        self._groups_waited: set = set()  # the groups wait_layer has waited for since
 
     @property
     def path(self) -> str:
@@ -133,7 +138,9 @@ class CudaExecutor:
                 "blocks": c.blocks, "host_waits_on_disk": self.counters.host_waits,
                 "host_wait_seconds": self.counters.host_wait_seconds,
                 "host_wait_read_seconds": self.counters.host_wait_read_seconds,
-                "disk_batches": self.counters.disk_batches, **c.describe()}
+                "disk_batches": self.counters.disk_batches, "copy_entries": c.entries,
+                "bounce_allocations": self._bounces.allocations, "bounces_lent": self._bounces.lent,
+                "submit_seconds": dict(self.submit_seconds), **c.describe()}
 
     # -- waiting -------------------------------------------------------------------------------
     def _host_wait(self, fut: Future, reading: bool = False) -> None:
@@ -151,10 +158,12 @@ class CudaExecutor:
     def _finish_fetch(self, op: DiskOp) -> None:
         """Queue the GPU half of a fetch (the host waits for its read if needed)."""
         self._host_wait(op.future, reading=True)
+        t0 = time.perf_counter()
         st = self.streams[ONBOARD.stream]
         self._gpu_wait(st, op.gpu_deps, host_tier=False)
         op.gpu_event = self._copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
         op.gpu_deps = []
+        self.submit_seconds["fetch_gpu_half"] += time.perf_counter() - t0
 
     def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, host_tier: bool) -> None:
         """``stream`` waits for the GPU side of ``deps``. A demotion has none: it reads
@@ -189,7 +198,7 @@ class CudaExecutor:
             if op.gpu_pending and op.future.done():
                 self._finish_fetch(op)
         while self._inflight and self.is_done(self._inflight[0]):
-            self._inflight.popleft()
+            self._retire(self._inflight.popleft())
         if self.layered and self._unsettled:  # settled once their GPU half has run
             self._unsettled = deque(op for op in self._unsettled
                                     if op.gpu_event is None or not op.gpu_event.query())
@@ -202,14 +211,24 @@ class CudaExecutor:
         d = np.asarray(dst, dtype=np.int64)
         if self.log is not None:
             self.log.append((route.name, s.tolist(), d.tolist()))
+        t0 = time.perf_counter()
         self._pump()
-        return self._handlers[route](s, d, deps)
+        t1 = time.perf_counter()
+        event = self._handlers[route](s, d, deps)
+        self.submit_seconds["pump"] += t1 - t0
+        self.submit_seconds[route.name] += time.perf_counter() - t1
+        return event
 
     # -- one handler per route ------------------------------------------------------------------------
-    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
+    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
+        # Whole blocks, runs merged: a layer group's slice of each block would hand the
+        # driver blocks x groups copies (about 1 µs of host time each). Compute writing a
+        # slot an offload reads waits for the whole batch; offload ahead (end_step)
+        # keeps such batches off the step's critical path.
         st = self.streams[OFFLOAD.stream]
         self._gpu_wait(st, deps, host_tier=True)
-        return self._copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
+        self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
+        return self._record(st)
 
     def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
         st = self.streams[ONBOARD.stream]
@@ -241,20 +260,22 @@ class CudaExecutor:
         return self._disk_op(DiskOp(DEMOTE, self._workers.submit(self._write_task, deps, d.tolist(), rows)))
 
     def _spill(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
-        bounce = self._bounce(len(s))
+        buffer = self._bounces.take(len(s))
+        bounce = buffer[:len(s)]
         st = self.streams[OFFLOAD.stream]
         self._gpu_wait(st, deps, host_tier=False)
         self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
         ev = self._record(st)
         disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
         fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), list(bounce))
-        return self._disk_op(DiskOp(SPILL, fut, bounce, gpu_event=ev))
+        return self._disk_op(DiskOp(SPILL, fut, bounce, buffer, gpu_event=ev))
 
     def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
-        bounce = self._bounce(len(s))
+        buffer = self._bounces.take(len(s))
+        bounce = buffer[:len(s)]
         disk_deps = [e for e in deps if isinstance(e, DiskOp)]
         fut = self._readers.submit(self._read_task, FETCH, disk_deps, s.tolist(), list(bounce))
-        return self._disk_op(DiskOp(FETCH, fut, bounce, gpu_slots=d, gpu_deps=list(deps)))
+        return self._disk_op(DiskOp(FETCH, fut, bounce, buffer, gpu_slots=d, gpu_deps=list(deps)))
 
     def _promote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # Straight into the host rows (the CPU writes them: no registration limit). The
@@ -264,8 +285,11 @@ class CudaExecutor:
         fut = self._readers.submit(self._read_task, PROMOTE, deps, s.tolist(), rows)
         return self._disk_op(DiskOp(PROMOTE, fut))
 
-    def _bounce(self, n: int) -> torch.Tensor:
-        return torch.empty((n, self.gpu.raw.shape[1]), dtype=torch.uint8, pin_memory=True)
+    def _retire(self, op: DiskOp) -> None:
+        """``op`` is complete (its worker done, its GPU half run): its bounce is free."""
+        if op.buffer is not None:
+            self._bounces.give(op.buffer)
+            op.buffer = op.bounce = None
 
     @staticmethod
     def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -325,6 +349,7 @@ class CudaExecutor:
         if layered:  # disk batches stay unsettled until their GPU half is done (``_pump``)
             self._layer_events = [e for e in events if isinstance(e, torch.cuda.Event | Grouped)]
             self._layer_events += list(self._unsettled)
+            self._groups_waited = set()
             return
         self._wait(lambda e: _whole(e), [*self._unsettled, *events])
         self._unsettled.clear()
@@ -334,6 +359,9 @@ class CudaExecutor:
         ``compute_wait(events, layered=True)`` (a fetch's GPU half is queued first,
         the host waiting for its disk read if it has not finished)."""
         g = self.groups.group_of[layer] if self.groups is not None else None
+        if not self._layer_events or g in self._groups_waited:
+            return  # nothing to wait for, or waited for at an earlier layer of the group
+        self._groups_waited.add(g)
         self._wait(lambda e: e.events[g] if g is not None and isinstance(e, Grouped) else _whole(e),
                    self._layer_events)
 
@@ -365,6 +393,8 @@ class CudaExecutor:
             self._host_wait(op.future)
         for st in self.streams.values():
             st.synchronize()
+        for op in self._inflight:
+            self._retire(op)
         self._inflight.clear()
 
     def wait_host(self, events: list[Event]) -> None:
