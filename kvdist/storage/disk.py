@@ -144,6 +144,13 @@ class DiskPool:
     def nbytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    def run_inline_here(self) -> None:
+        """Batch calls made from the calling thread run in that thread, one run of slots
+        after the other, not split over the pool's workers: for threads that are disk
+        workers themselves (the CUDA executor's). Each hop to another thread costs the
+        process's other threads GIL hand-offs, the step's host thread among them."""
+        self._local.worker = True
+
     # -- one run of neighbouring slots ---------------------------------------------------------
     def _mark_worker(self) -> None:
         self._local.worker = True

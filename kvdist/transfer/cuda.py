@@ -25,6 +25,7 @@ is timed between two events on it (``compute_wait_seconds``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,13 +103,21 @@ class CudaExecutor:
         self.copier = BatchCopier(device, prefer=path)
         self.streams = {name: torch.cuda.Stream(device) for name in (OFFLOAD.stream, ONBOARD.stream)}
         index = device.index if device.index is not None else torch.cuda.current_device()
-        # Disk batches: writes (demote, spill) and reads (fetch) on workers of their own, so
-        # a fetch the next forward pass needs does not queue behind demote-ahead's writes.
-        def workers(kind: str) -> ThreadPoolExecutor | None:
-            return (ThreadPoolExecutor(disk_threads, thread_name_prefix=f"kvdist-xfer-{kind}",
-                                       initializer=torch.cuda.set_device, initargs=(index,))
+        # Disk batches: writes (demote, spill) and reads (fetch, promote) on workers of their
+        # own, so a fetch the next forward pass needs does not queue behind demote-ahead's
+        # writes. A worker does its batch's I/O itself (DiskPool.run_inline_here): handing it
+        # on to the pool's threads cost the step's host thread GIL hand-offs for every batch.
+        def start(index: int) -> None:
+            torch.cuda.set_device(index)
+            if not os.environ.get("KVDIST_EXP_NESTED_IO"):
+                disk.run_inline_here()
+
+        def workers(kind: str, threads: int) -> ThreadPoolExecutor | None:
+            return (ThreadPoolExecutor(threads, thread_name_prefix=f"kvdist-xfer-{kind}",
+                                       initializer=start, initargs=(index,))
                     if disk is not None else None)
-        self._workers, self._readers = workers("write"), workers("read")
+        self._workers = workers("write", disk_threads)
+        self._readers = workers("read", max(disk_threads, disk.io_threads) if disk is not None else 0)
         # Host blocks per CUDA registration: a merged copy must not cross one (see coalesce).
         self._host_chunk = host.chunk_blocks if host is not None else 0
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (hold their bounces)
