@@ -12,6 +12,7 @@ when submitted). ``test_transfer_cuda.py`` covers that on a real GPU."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 
@@ -22,7 +23,7 @@ import torch
 from kvdist.blocks import SlotSpace
 from kvdist.layout import KVLayout
 from kvdist.storage import DiskPool, GpuPool, HostPool
-from kvdist.transfer import DEMOTE, OFFLOAD, ONBOARD, TransferEngine
+from kvdist.transfer import DEMOTE, FETCH, OFFLOAD, ONBOARD, TransferEngine
 from kvdist.transfer import cuda as cuda_executor
 
 from .test_transfer_engine import _queue, _random_moves
@@ -205,3 +206,37 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed, group
     assert st["disk_batches"] > 0 and st["blocks"] > 0 and st["path"] == "fake"
     assert st["bounces_lent"] == 0, "a bounce buffer outlived its batch"
     assert not ex._inflight and not ex._unsettled
+
+
+def test_a_fetch_gives_its_bounce_back_while_an_earlier_demotion_is_still_writing(tiers):
+    """Disk batches finish in any order: a fetch's bounce buffer is free once the fetch
+    is done, not once every disk batch queued before it is (a slow demotion at the head
+    would otherwise make every later fetch allocate pinned memory of its own)."""
+    caps = (4, 4, 4)
+    (gpu, host, disk), ex, content = tiers(caps, delay_s=0.0)
+    gate = threading.Event()
+    write = disk.write_blocks
+
+    def gated_write(slots, rows):
+        assert gate.wait(10), "the gate was never opened"
+        write(slots, rows)
+    disk.write_blocks = gated_write
+    try:
+        demotion = ex.submit(DEMOTE, [0], [0], [])
+        fetch = ex.submit(FETCH, [1], [2], [])
+        deadline = time.monotonic() + 10
+        while not ex.is_done(fetch):
+            assert time.monotonic() < deadline, "the fetch never finished"
+            time.sleep(0.001)
+        ex.record_compute()  # the executor tidies up on its next call
+        st = ex.stats()
+        assert not ex.is_done(demotion)
+        assert st["bounces_lent"] == 0 and st["bounce_allocations"] == 1
+        assert torch.equal(gpu.raw[2], _pattern(content[sum(caps[:2]) + 1]))
+        again = ex.submit(FETCH, [3], [3], [])  # takes the same buffer
+        ex.wait_host([again])
+        assert ex.stats()["bounce_allocations"] == 1
+    finally:
+        gate.set()
+    ex.synchronize()
+    assert ex.stats()["bounces_lent"] == 0

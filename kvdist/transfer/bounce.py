@@ -11,6 +11,7 @@ one, so nothing in a batch can be overwritten by another."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,7 @@ class BouncePool:
         self._free: list[torch.Tensor] = []  # by capacity, smallest first
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
         self.allocations = 0
+        self.allocation_seconds = 0.0
 
     def _pinned(self, blocks: int) -> torch.Tensor:
         return torch.empty((blocks, self.block_bytes), dtype=torch.uint8, pin_memory=True)
@@ -40,8 +42,10 @@ class BouncePool:
                 del self._free[i]
                 break
         else:
+            t0 = time.perf_counter()
             buf = self._allocate(1 << (n - 1).bit_length())
             self.allocations += 1
+            self.allocation_seconds += time.perf_counter() - t0
         self._lent[buf.data_ptr()] = buf
         return buf
 

@@ -25,7 +25,6 @@ is timed between two events on it (``compute_wait_seconds``)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,8 +108,7 @@ class CudaExecutor:
         # on to the pool's threads cost the step's host thread GIL hand-offs for every batch.
         def start(index: int) -> None:
             torch.cuda.set_device(index)
-            if not os.environ.get("KVDIST_EXP_NESTED_IO"):
-                disk.run_inline_here()
+            disk.run_inline_here()
 
         def workers(kind: str, threads: int) -> ThreadPoolExecutor | None:
             return (ThreadPoolExecutor(threads, thread_name_prefix=f"kvdist-xfer-{kind}",
@@ -122,6 +120,7 @@ class CudaExecutor:
         self._host_chunk = host.chunk_blocks if host is not None else 0
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (hold their bounces)
         self._bounces = BouncePool(gpu.raw.shape[1])
+        self._lending: list[DiskOp] = []  # disk batches holding a bounce buffer, in any order
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
         self.submit_seconds: Counter[str] = Counter()  # host time in ``submit``, by route
@@ -149,7 +148,8 @@ class CudaExecutor:
                 "host_wait_read_seconds": self.counters.host_wait_read_seconds,
                 "disk_batches": self.counters.disk_batches, "copy_entries": c.entries,
                 "bounce_allocations": self._bounces.allocations, "bounces_lent": self._bounces.lent,
-                "submit_seconds": dict(self.submit_seconds), **c.describe()}
+                "submit_seconds": {**self.submit_seconds, "bounce_alloc": self._bounces.allocation_seconds},
+                **c.describe()}
 
     # -- waiting -------------------------------------------------------------------------------
     def _host_wait(self, fut: Future, reading: bool = False) -> None:
@@ -208,6 +208,8 @@ class CudaExecutor:
                 self._finish_fetch(op)
         while self._inflight and self.is_done(self._inflight[0]):
             self._retire(self._inflight.popleft())
+        if self._lending:  # a bounce goes back when its batch is done, not when all before it are
+            self._lending = [op for op in self._lending if op.buffer is not None and not self._retired(op)]
         if self.layered and self._unsettled:  # settled once their GPU half has run
             self._unsettled = deque(op for op in self._unsettled
                                     if op.gpu_event is None or not op.gpu_event.query())
@@ -294,6 +296,12 @@ class CudaExecutor:
         fut = self._readers.submit(self._read_task, PROMOTE, deps, s.tolist(), rows)
         return self._disk_op(DiskOp(PROMOTE, fut))
 
+    def _retired(self, op: DiskOp) -> bool:
+        if self.is_done(op):
+            self._retire(op)
+            return True
+        return False
+
     def _retire(self, op: DiskOp) -> None:
         """``op`` is complete (its worker done, its GPU half run): its bounce is free."""
         if op.buffer is not None:
@@ -309,6 +317,8 @@ class CudaExecutor:
     def _disk_op(self, op: DiskOp) -> DiskOp:
         self.counters.disk_batches += 1
         self._inflight.append(op)
+        if op.buffer is not None:
+            self._lending.append(op)
         if op.route is FETCH or op.route is SPILL:  # those with a GPU half
             self._unsettled.append(op)
         return op
@@ -405,6 +415,7 @@ class CudaExecutor:
         for op in self._inflight:
             self._retire(op)
         self._inflight.clear()
+        self._lending.clear()
 
     def wait_host(self, events: list[Event]) -> None:
         """The host waits for ``events`` (CUDA events or disk batches), e.g. before
