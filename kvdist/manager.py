@@ -48,7 +48,19 @@ from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
-from .transfer import DEMOTE, PROMOTE, ROUTE_NAMES, EngineSeams, Executor, Route, TransferEngine, route
+from .transfer import (
+    DEMOTE,
+    FETCH,
+    PROMOTE,
+    ROUTE_NAMES,
+    SPILL,
+    EngineSeams,
+    Executor,
+    Route,
+    TransferEngine,
+    route,
+)
+from .transfer.bounce import bounce_blocks
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 # Bytes of one batch of disk writes (demotions): a later copy into one of its source host
@@ -126,9 +138,11 @@ class CacheManager:
                      for t in (GPU, HOST, DISK)]
         self.lru = [PriorityLRU(self.meta) for _ in (GPU, HOST, DISK)]
         self.index = PrefixIndex(self.space.total, self.meta)
-        demote_batch = max(1, DEMOTE_BATCH_BYTES // layout.bytes_per_block)
+        bpb = layout.bytes_per_block
+        limits = {DEMOTE: max(1, DEMOTE_BATCH_BYTES // bpb),  # see DEMOTE_BATCH_BYTES
+                  FETCH: bounce_blocks(bpb), SPILL: bounce_blocks(bpb)}  # one bounce buffer each
         self.engine = TransferEngine(self.space, executor, seams=engine_seams or EngineSeams(),
-                                     block_id=self._block_id, batch_limit=(DEMOTE, demote_batch))
+                                     block_id=self._block_id, batch_limits=limits)
         self.enable_reuse = enable_reuse
         self.offload_min_priority = offload_min_priority
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0

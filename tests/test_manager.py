@@ -7,6 +7,7 @@ import kvdist
 import kvdist.testing
 from kvdist.manager import token_array
 from kvdist.testing import IntegrityDriver, Seams
+from kvdist.transfer import DEMOTE
 
 
 class Checked:
@@ -343,7 +344,7 @@ def test_demotions_are_written_in_batches_of_bounded_bytes(cfg_factory, monkeypa
     cache = kvdist.testing.create(cfg, seams)
     try:
         block = seams.manager.layout.bytes_per_block
-        monkeypatch.setattr(seams.engine, "_limit", 2)
+        monkeypatch.setitem(seams.engine.batch_limits, DEMOTE, 2)
         assert kvdist.manager.DEMOTE_BATCH_BYTES // block > 2  # the default would not split
         d = Checked(cache, seams)
         for i in range(12):

@@ -112,7 +112,7 @@ def test_every_conflict_is_ordered_and_nothing_is_lost(seed, limit):
     rng = np.random.default_rng(seed)
     space = SlotSpace((12, 16, 8))  # small tiers: frequent conflicts
     ex = RecordingExecutor(space)
-    engine = TransferEngine(space, ex, batch_limit=(DEMOTE, limit) if limit else None)
+    engine = TransferEngine(space, ex, batch_limits={DEMOTE: limit} if limit else None)
     wanted: list[tuple[int, int]] = []
     for _step in range(25):
         engine.begin_step()
@@ -162,12 +162,12 @@ def test_copy_many_flushes_an_open_batch_reading_a_slot_it_overwrites():
 
 
 def test_a_batch_limit_submits_demotions_as_they_fill_a_batch():
-    """``batch_limit=(DEMOTE, 3)``: a demotion batch goes to the executor as soon as it
+    """``batch_limits={DEMOTE: 3}``: a demotion batch goes to the executor as soon as it
     holds 3 copies (single or bulk), so a later copy into one of its host slots waits
     for those 3 alone; other routes batch as before."""
     space = SlotSpace((4, 12, 12))
     ex = RecordingExecutor(space)
-    engine = TransferEngine(space, ex, batch_limit=(DEMOTE, 3))
+    engine = TransferEngine(space, ex, batch_limits={DEMOTE: 3})
     engine.begin_step()
     engine.copy_many(DEMOTE, list(range(4, 12)), list(range(16, 24)))  # 8 host -> disk
     assert [len(src) for _, src, _, _ in ex.batches] == [3, 3]  # 2 still open

@@ -1,13 +1,19 @@
 """Pinned bounce buffers for the disk batches that touch GPU memory (a spill's GPU ->
 bounce -> disk, a fetch's disk -> bounce -> GPU), reused rather than allocated per batch.
 
-A pinned allocation costs the host milliseconds (the H200 machine, 2026-12-01: 2.6 ms
-a step at capacity went to ``torch.empty(pin_memory=True)`` for about four fetched
-blocks a step), so buffers are kept: ``take(n)`` hands out the rows of the smallest
-free buffer holding at least ``n`` blocks (a new one, of a power-of-two number of
-blocks, when none is free), ``give(buf)`` takes it back once the batch is complete
-(its worker done and its GPU half run). Buffers are whole: two batches never share
-one, so nothing in a batch can be overwritten by another."""
+A pinned allocation costs the host milliseconds, and more the bigger it is (the H200
+machine, 2026-12-01: 2.6 ms a step at capacity went to ``torch.empty(pin_memory=True)``
+for about four fetched blocks a step; kept buffers still cost 1.4-4.3 ms a step while
+a batch as long as a whole prefix could ask for a new buffer of hundreds of MiB). So:
+
+* the engine cuts fetches and spills into batches of at most ``bounce_blocks`` blocks
+  (``BOUNCE_BATCH_BYTES``), so no buffer is bigger than that;
+* buffers are kept: ``take(n)`` hands out the smallest free buffer holding at least
+  ``n`` blocks (a new one, of a power-of-two number of blocks, when none is free),
+  ``give(buf)`` takes it back once its batch is complete (its worker done and its GPU
+  half run); ``reserve`` allocates some up front, with the tiers, not in a step.
+
+Buffers are whole: two batches never share one, so no batch overwrites another's."""
 
 from __future__ import annotations
 
@@ -16,7 +22,14 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BouncePool"]
+__all__ = ["BOUNCE_BATCH_BYTES", "BouncePool", "bounce_blocks"]
+
+BOUNCE_BATCH_BYTES = 64 << 20  # the most a fetch or spill batch moves (through one buffer)
+
+
+def bounce_blocks(block_bytes: int) -> int:
+    """Blocks in a fetch or spill batch at most (``BOUNCE_BATCH_BYTES``, at least 1)."""
+    return max(1, BOUNCE_BATCH_BYTES // block_bytes)
 
 
 class BouncePool:
@@ -33,6 +46,14 @@ class BouncePool:
 
     def _pinned(self, blocks: int) -> torch.Tensor:
         return torch.empty((blocks, self.block_bytes), dtype=torch.uint8, pin_memory=True)
+
+    def reserve(self, blocks: int, count: int) -> None:
+        """Allocate ``count`` free buffers of ``blocks`` blocks now (at start-up)."""
+        for _ in range(count):
+            buf = self._allocate(blocks)
+            self.allocations += 1
+            self._free.append(buf)
+        self._free.sort(key=lambda b: b.shape[0])
 
     def take(self, n: int) -> torch.Tensor:
         """A buffer of at least ``n`` block rows; the caller uses its first ``n``."""

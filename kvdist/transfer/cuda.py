@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,56 +35,13 @@ import torch
 from ..layout import LayerGroups
 from ..storage import DiskPool, GpuPool, HostPool
 from .batchcopy import BatchCopier
-from .bounce import BouncePool
+from .bounce import BouncePool, bounce_blocks
 from .contract import Event, ExecutorCounters, Timing
+from .cuda_events import DiskOp, Grouped, whole
 from .executors import BatchLog
 from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, PROMOTE, SPILL, Route
 
 __all__ = ["CudaExecutor", "DiskOp", "Grouped"]
-
-
-@dataclass(slots=True, eq=False)
-class Grouped:
-    """The event of a batch copied one layer group at a time: ``events[g]`` completes
-    once group g of every block has landed (and every group before it)."""
-
-    events: list
-
-    @property
-    def last(self):
-        return self.events[-1]
-
-    def query(self) -> bool:
-        return self.last.query()
-
-    def synchronize(self) -> None:
-        self.last.synchronize()
-
-
-def _whole(e):
-    """The CUDA event standing for all of ``e``'s copies."""
-    return e.last if isinstance(e, Grouped) else e
-
-
-@dataclass(slots=True, eq=False)
-class DiskOp:
-    """The event of one disk batch. ``future``: the worker's part (the disk I/O and
-    the host/bounce memory it touches). ``gpu_event``: the part that touches GPU
-    memory (spill: GPU -> bounce done; fetch: bounce -> GPU, queued once the read is
-    done), None for a demotion."""
-
-    route: Route
-    future: Future
-    bounce: torch.Tensor | None = None  # the first rows of ``buffer``
-    buffer: torch.Tensor | None = None  # the pool's, given back once the batch is complete
-    gpu_event: torch.cuda.Event | Grouped | None = None
-    gpu_slots: np.ndarray | None = None  # fetch: where the GPU half writes
-    gpu_deps: list = field(default_factory=list)  # fetch: what the GPU half waits for
-
-    @property
-    def gpu_pending(self) -> bool:
-        """A fetch whose GPU half is not queued yet."""
-        return self.route is FETCH and self.gpu_event is None
 
 
 class CudaExecutor:
@@ -120,6 +76,8 @@ class CudaExecutor:
         self._host_chunk = host.chunk_blocks if host is not None else 0
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (hold their bounces)
         self._bounces = BouncePool(gpu.raw.shape[1])
+        if disk is not None:  # the engine cuts fetches and spills to bounce_blocks: two such buffers
+            self._bounces.reserve(min(bounce_blocks(gpu.raw.shape[1]), disk.num_blocks), 2)
         self._lending: list[DiskOp] = []  # disk batches holding a bounce buffer, in any order
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
@@ -183,12 +141,12 @@ class CudaExecutor:
         dependencies."""
         for e in deps:
             if isinstance(e, torch.cuda.Event | Grouped):
-                stream.wait_event(_whole(e))
+                stream.wait_event(whole(e))
             elif isinstance(e, DiskOp):
                 if e.gpu_pending:
                     self._finish_fetch(e)
                 if e.gpu_event is not None:
-                    stream.wait_event(_whole(e.gpu_event))
+                    stream.wait_event(whole(e.gpu_event))
                 elif host_tier:  # a demotion reads the host slot, a promotion writes it
                     self._host_wait(e.future, reading=e.route is PROMOTE)
 
@@ -370,7 +328,7 @@ class CudaExecutor:
             self._layer_events += list(self._unsettled)
             self._groups_waited = set()
             return
-        self._wait(lambda e: _whole(e), [*self._unsettled, *events])
+        self._wait(lambda e: whole(e), [*self._unsettled, *events])
         self._unsettled.clear()
 
     def wait_layer(self, layer: int) -> None:
@@ -381,7 +339,7 @@ class CudaExecutor:
         if not self._layer_events or g in self._groups_waited:
             return  # nothing to wait for, or waited for at an earlier layer of the group
         self._groups_waited.add(g)
-        self._wait(lambda e: e.events[g] if g is not None and isinstance(e, Grouped) else _whole(e),
+        self._wait(lambda e: e.events[g] if g is not None and isinstance(e, Grouped) else whole(e),
                    self._layer_events)
 
     def _wait(self, part, events: list) -> None:

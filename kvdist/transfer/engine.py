@@ -120,7 +120,7 @@ class TransferEngine:
 
     def __init__(self, space: SlotSpace, executor: Executor, *, seams: EngineSeams = EngineSeams(),
                  block_id: Callable[[int], object] | None = None,
-                 batch_limit: tuple[Route, int] | None = None):
+                 batch_limits: dict[Route, int] | None = None):
         assert seams.tracking != "block" or block_id is not None, "block tracking needs block_id"
         self.space = space
         # [lo, hi) of each tier's global slots
@@ -131,10 +131,11 @@ class TransferEngine:
         self._copy_many_sizes = seams.copy_many_sizes
         self._block_id = block_id
         self._open: dict[Route, _Batch] = {}
-        # (route, copies): a batch of that route is submitted once it holds that many
-        # (a later copy into one of its slots waits for the whole batch).
-        self._limited, self._limit = batch_limit if batch_limit is not None else (None, 0)
-        assert self._limited is None or self._limit > 0, f"batch limit {batch_limit}"
+        # route -> copies: a batch of that route is submitted once it holds that many (a
+        # later copy into one of its slots waits for the whole batch; a disk batch through a
+        # bounce buffer holds that buffer until it is done).
+        self.batch_limits = dict(batch_limits or {})
+        assert all(n > 0 for n in self.batch_limits.values()), f"batch limits {batch_limits}"
         n = max(space.total, 1)
         self._last_write = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch writing it
         self._last_read = np.full(n, _NONE, dtype=np.int32)  # key -> id of the last batch reading it
@@ -195,7 +196,8 @@ class TransferEngine:
         tok = b.token << 1
         mark[ks] = tok
         mark[kd] = tok | 1
-        if route is self._limited and b.size >= self._limit:
+        limit = self.batch_limits.get(route)
+        if limit is not None and b.size >= limit:
             self._flush(route)
 
     def copy_many(self, route: Route, src, dst) -> None:
@@ -217,10 +219,10 @@ class TransferEngine:
             for a, b in zip(s.tolist(), d.tolist()):  # hazards inside: one by one
                 self.copy(route, a, b)
             return
-        if route is not self._limited:
+        n = self.batch_limits.get(route)
+        if n is None:
             self._add_part(route, s, d)
             return
-        n = self._limit
         for i in range(0, len(s), n):
             if self._add_part(route, s[i:i + n], d[i:i + n]).size >= n:
                 self._flush(route)
