@@ -137,10 +137,11 @@ def render(results: dict) -> str:
                      f"{lat['queue_ms']['p50']:.0f}/{lat['queue_ms']['p99']:.0f}",
                      f"{lat['tpot_ms']['mean']:.1f}", f"{lat['requests_per_s']:.2f}",
                      f"{lat['prompt_tokens_per_s']:,.0f}", f"{100 * (prompt - computed) / prompt:.1f}%",
+                     f"{r['model_ms_per_step']:.1f}", f"{r['cache_api_us_per_step'] / 1e3:.1f}",
                      f"{r['compute_wait_us_per_step'] / 1e3:.2f}",
                      f"{r['integrity_mismatches']}/{r['integrity']['logits_failed']}"])
     head = ["configuration", "TTFT p50 ms", "p90", "p99", "queue p50/p99", "TPOT ms", "req/s", "prompt tok/s",
-            "reused", "copy wait ms/step", "bad blocks/logits"]
+            "reused", "model ms/step", "cache ms/step", "copy wait ms/step", "bad blocks/logits"]
     lines = [f"open loop at {results['request_rate']:g} requests/s, the same trace for every configuration",
              tabulate(rows, headers=head, colalign=("left",) + ("right",) * (len(head) - 1))]
     q = results.get("all_tiers_vs_gpu_only")

@@ -74,6 +74,9 @@ class CudaExecutor:
         self._readers = workers("read", max(disk_threads, disk.io_threads) if disk is not None else 0)
         # Host blocks per CUDA registration: a merged copy must not cross one (see coalesce).
         self._host_chunk = host.chunk_blocks if host is not None else 0
+        # The host tier's rows as numpy views for the disk workers: indexing them takes no
+        # torch op on the host thread (each one hands the GIL to whichever worker wants it).
+        self._host_rows = host.raw.numpy() if host is not None else None
         self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (hold their bounces)
         self._bounces = BouncePool(gpu.raw.shape[1])
         if disk is not None:  # the engine cuts fetches and spills to bounce_blocks: two such buffers
@@ -225,7 +228,7 @@ class CudaExecutor:
 
     def _demote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # The CPU reads the host rows: no registration limit.
-        rows = [self.host.raw[i] for i in s.tolist()]
+        rows = [self._host_rows[i] for i in s.tolist()]
         return self._disk_op(DiskOp(DEMOTE, self._workers.submit(self._write_task, deps, d.tolist(), rows)))
 
     def _spill(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
@@ -236,21 +239,22 @@ class CudaExecutor:
         self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
         ev = self._record(st)
         disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
-        fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), list(bounce))
+        fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), list(buffer.numpy()[:len(s)]))
         return self._disk_op(DiskOp(SPILL, fut, bounce, buffer, gpu_event=ev))
 
     def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         buffer = self._bounces.take(len(s))
         bounce = buffer[:len(s)]
         disk_deps = [e for e in deps if isinstance(e, DiskOp)]
-        fut = self._readers.submit(self._read_task, FETCH, disk_deps, s.tolist(), list(bounce))
+        rows = list(buffer.numpy()[:len(s)])
+        fut = self._readers.submit(self._read_task, FETCH, disk_deps, s.tolist(), rows)
         return self._disk_op(DiskOp(FETCH, fut, bounce, buffer, gpu_slots=d, gpu_deps=list(deps)))
 
     def _promote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # Straight into the host rows (the CPU writes them: no registration limit). The
         # worker waits for every dependency: an offload still writing a slot's previous
         # block is a CUDA event, a demotion still reading it a disk batch.
-        rows = [self.host.raw[i] for i in d.tolist()]
+        rows = [self._host_rows[i] for i in d.tolist()]
         fut = self._readers.submit(self._read_task, PROMOTE, deps, s.tolist(), rows)
         return self._disk_op(DiskOp(PROMOTE, fut))
 
