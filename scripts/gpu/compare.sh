@@ -32,6 +32,14 @@ compare() {  # $1: label, then run arguments; keeps results.json and the TTFT pl
     [ $rc -eq 0 ] || { echo "exit status $rc"; tail -30 /tmp/kvdist-$label.err; }
     cp /tmp/kvdist-runs/latest/results.json "$O/$label-results.json" 2>/dev/null
     cp /tmp/kvdist-runs/latest/ttft_cdf.png "$O/$label-ttft_cdf.png" 2>/dev/null
+    python3 - "$O/$label-results.json" <<'PY' 2>/dev/null  # where each configuration's cache time went
+import json, sys
+for name, r in json.load(open(sys.argv[1]))["runs"].items():
+    us = lambda d: ", ".join(f"{k} {v / 1e3:.2f}" for k, v in d.items())  # noqa: E731
+    print(f"[{name}] ms a step: cache calls {us(r['cache_calls_us_per_step'])}; copies handed to the driver "
+          f"{r['copy_entries_per_step']:.0f}, submitted in {us(r['copy_submit_us_per_step'])}; host waits on "
+          f"disk reads {r['host_wait_reads_us_per_step'] / 1e3:.2f}")
+PY
     echo "[$label] wall $(( $(date +%s) - start )) s"
 }
 if has 1; then
