@@ -15,13 +15,17 @@ submission that needs it, or the compute barrier S5) and the wait is counted.
   the offload stream; the worker waits for that event and writes the buffer.
 * fetch (disk -> gpu): the worker reads into a pinned bounce buffer; once it is done
   the host queues the GPU half (bounce -> GPU slots) on the onboard stream.
+Bounce buffers are kept (``bounce``) and go back once their own batch is done. A
+worker does its batch's disk I/O itself, on numpy views of the rows (no torch op per
+block on the host thread, no further thread hop).
 
-Layer by layer (``cache.layer_groups`` > 1): offloads, onboards and the GPU half of a
-fetch are issued one layer group after the other (layer 0's first), an event after
-each (``Grouped``); ``compute_wait(events, layer)`` makes the compute stream wait only
-for the group holding that layer, so layer 0's attention starts once layer 0's bytes
-have landed while the rest are still on the wire. Every wait of the compute stream
-is timed between two events on it (``compute_wait_seconds``)."""
+Layer by layer (``cache.layer_groups`` > 1): onboards and the GPU half of a fetch are
+issued one layer group after the other (layer 0's first), an event after each
+(``Grouped``); ``wait_layer(layer)`` makes the compute stream wait only for the group
+holding that layer, so layer 0's attention starts once layer 0's bytes have landed
+while the rest are still on the wire. Offloads go whole (every copy handed to the
+driver costs the host about 1 µs, and by group a block was 16). Every wait of the
+compute stream is timed between two events on it (``compute_wait_seconds``)."""
 
 from __future__ import annotations
 
@@ -195,8 +199,8 @@ class CudaExecutor:
     def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
         # Whole blocks, runs merged: a layer group's slice of each block would hand the
         # driver blocks x groups copies (about 1 µs of host time each). Compute writing a
-        # slot an offload reads waits for the whole batch; offload ahead (end_step)
-        # keeps such batches off the step's critical path.
+        # slot an offload reads waits for the whole batch before its first layer (on the
+        # H200 compute's wait did not grow: docs/design.md, "Layer-wise onboarding").
         st = self.streams[OFFLOAD.stream]
         self._gpu_wait(st, deps, host_tier=True)
         self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
