@@ -16,19 +16,16 @@ proportional to the blocks a step touches."""
 
 from __future__ import annotations
 
-import struct
 import time
 from array import array
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Protocol
 
 import numpy as np
 
 from . import manager_checks
 from .blocks import (
-    ACTIVE,
     CACHED,
     DISK,
     FREE,
@@ -41,11 +38,13 @@ from .blocks import (
     FreeStack,
     SlotSpace,
 )
+from .cascade import EvictionCascade, HostObserver
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .fetch_policy import FetchPolicy
 from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
+from .sequences import Sequence, token_array
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
 from .transfer import (
@@ -62,49 +61,12 @@ from .transfer import (
 )
 from .transfer.bounce import bounce_blocks
 
-_COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
+__all__ = ["DEMOTE_BATCH_BYTES", "CacheCounters", "CacheManager", "HostObserver", "Sequence", "token_array"]
+
 # Bytes of one batch of disk writes (demotions): a later copy into one of its source host
 # slots waits for its whole batch, so the engine cuts demotions into batches of about this
 # size, written in order, and each slot is free again once its own batch is on disk.
 DEMOTE_BATCH_BYTES = 32 << 20
-
-
-def token_array(tokens: Iterable[int]) -> array:
-    """Token ids as an int32 array, converted whole before anything changes. Ids are
-    opaque to the cache (hashed, never indexed): any int32 is accepted, negative ones
-    included, and a bool is the int it equals (Python's ``True == 1``). Anything else
-    (a float, a str, an id outside int32) raises ValueError. An int32 array is copied."""
-    if isinstance(tokens, array) and tokens.typecode == "i":
-        return tokens[:]
-    if not isinstance(tokens, list | tuple):
-        tokens = list(tokens)  # a generator that raises midway raises here
-    tok = array("i")
-    try:  # struct converts a list of ints 2.5x faster than array() does
-        tok.frombytes(struct.pack(f"{len(tokens)}i", *tokens))
-    except struct.error as e:
-        raise ValueError(f"token ids must be ints that fit in int32 ({e})") from None
-    return tok
-
-
-class HostObserver(Protocol):
-    """Who must know when a host slot's block changes (global slot ids)."""
-
-    def host_filled(self, slot: int) -> None:
-        """``slot`` now holds a cached block; the copy into it may still be queued."""
-
-    def host_emptied(self, slot: int) -> None:
-        """``slot`` no longer holds its block (it is free; its bytes stay until reused)."""
-
-
-@dataclass(slots=True)
-class Sequence:
-    seq_id: Hashable
-    tokens: array  # int32 token ids known to the cache
-    slots: list[int]  # GPU slot of each block, in order
-    priority: int
-    num_hashed: int  # leading full blocks whose hashes are written into their slots' meta
-    parent: bytes  # digest of block num_hashed - 1 (the salt when 0)
-    num_indexed: int = 0  # leading full blocks registered (indexed, or found duplicate)
 
 
 @dataclass(slots=True)
@@ -117,7 +79,7 @@ class CacheCounters:
     steps: int = 0
 
 
-class CacheManager:
+class CacheManager(EvictionCascade):
     """Block bookkeeping of one rank over up to three tiers; copies go through a
     :class:`~kvdist.transfer.TransferEngine` bound to ``executor``."""
 
@@ -194,111 +156,6 @@ class CacheManager:
                 on_gpu += 1
                 pinned_gpu += ref[s] == 0
         return on_gpu, n_blocks - on_gpu, self._available_gpu() - pinned_gpu
-
-    def _move(self, src: int, dst: int, along: Route) -> None:
-        """Move the cached block in ``src`` (of tier ``along.src``) to the free slot
-        ``dst`` (of tier ``along.dst``): an exclusive move, ``src`` ends on its free
-        stack. The copy reaches the engine at the next ``_submit_moves``."""
-        meta = self.meta
-        srcs, dsts, routes = self._moves
-        srcs.append(src)
-        dsts.append(dst)
-        routes.append(along)
-        meta.move(src, dst)
-        self.index.retarget(src, dst)
-        meta.state_mv[dst] = CACHED
-        meta.state_mv[src] = FREE
-        self.free[along.src].push(src)
-        self.counters.blocks_moved[along.name] += 1
-        if self.host_observer is not None:
-            if along.src == HOST:
-                self.host_observer.host_emptied(src)
-            if along.dst == HOST:
-                self.host_observer.host_filled(dst)
-
-    def _submit_moves(self) -> None:
-        """Queue the moves made since the last call with the engine, in their order."""
-        srcs, dsts, routes = self._moves
-        if not srcs:
-            return
-        t0 = time.perf_counter()
-        if routes.count(routes[0]) == len(routes):
-            self._queue_copies(routes[0], srcs, dsts)
-        else:
-            start = 0
-            for i in range(1, len(routes) + 1):
-                if i == len(routes) or routes[i] is not routes[start]:
-                    self._queue_copies(routes[start], srcs[start:i], dsts[start:i])
-                    start = i
-        srcs.clear()
-        dsts.clear()
-        routes.clear()
-        self.transfer_seconds += time.perf_counter() - t0
-
-    def _queue_copies(self, along: Route, srcs: list[int], dsts: list[int]) -> None:
-        """Copies of one route: ``copy_many`` costs about as much as 24 single copies
-        up front and a quarter of one per copy after that."""
-        if len(srcs) < _COPY_MANY_FROM:
-            copy = self.engine.copy
-            for s, d in zip(srcs, dsts):
-                copy(along, s, d)
-        else:
-            self.engine.copy_many(along, srcs, dsts)
-
-    # -- the eviction cascade -----------------------------------------------------------------
-    def _take_slot(self, tier: int) -> int:
-        """A free slot of ``tier``, evicting its coldest block if needed; NO_SLOT if the
-        tier has no free and no evictable slot."""
-        s = self.free[tier].pop()
-        if s != NO_SLOT:
-            return s
-        victim = self.lru[tier].pop_victim()
-        if victim == NO_SLOT:
-            return NO_SLOT
-        self._evict(victim)
-        return self.free[tier].pop()
-
-    def _evict(self, slot: int) -> None:
-        """Evict the unreferenced cached block in ``slot`` (already out of the lists):
-        move it one tier colder, or drop it; the slot ends on its free stack."""
-        meta = self.meta
-        tier = GPU if slot < self.space.base[HOST] else self.space.tier_of(slot)
-        self.counters.evictions[tier] += 1
-        if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
-            for along in self._colder[tier]:
-                if not self.policy.worth_storing(along.dst):
-                    continue  # never fetched back from there: drop, do not write it
-                dst = self._take_slot(along.dst)
-                if dst != NO_SLOT:
-                    self._move(slot, dst, along)
-                    self.lru[along.dst].push(dst)
-                    return
-        self.index.remove(slot)
-        meta.state_mv[slot] = FREE
-        self.free[tier].push(slot)
-        self.counters.dropped += 1
-        if tier == HOST and self.host_observer is not None:
-            self.host_observer.host_emptied(slot)
-
-    def _make_free(self, tier: int, n: int) -> None:
-        """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
-        nothing is left to evict), and hand the moves to the engine."""
-        free, lru = self.free[tier], self.lru[tier]
-        while len(free) < n and (victim := lru.pop_victim()) != NO_SLOT:
-            self._evict(victim)
-        self._submit_moves()
-
-    def _alloc_gpu(self, n: int, priority: int) -> list[int]:
-        """``n`` fresh GPU slots in state ACTIVE, refcount 1. The caller checked that
-        free + evictable >= n."""
-        self._make_free(GPU, n)
-        slots = self.free[GPU].pop_many(n)
-        meta = self.meta
-        for s in slots:
-            meta.state_mv[s] = ACTIVE
-            meta.ref_mv[s] = 1
-            meta.prio_mv[s] = priority
-        return slots
 
     # -- the step API ----------------------------------------------------------------------------
     def begin_step(self) -> None:
