@@ -32,14 +32,19 @@ _GET_INFO = (3 << 30) | (_INFO.size << 16) | (0xFF << 8) | 11  # PIDFD_GET_INFO
 _INFO_EXIT = 1 << 3
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def wait_status(pid: int, pidfd: int | None, within_s: float = 0.5) -> int | None:
     """The wait status of the ended process ``pid``: /proc while it is a zombie, the
     pidfd once reaped (Linux 6.15+); None if neither has it within ``within_s``."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = _stat(pid)
             if fields[0] == "Z":
                 return int(fields[49])  # field 52, exit_code
         except (OSError, IndexError, ValueError):
@@ -60,8 +65,7 @@ def wait_status(pid: int, pidfd: int | None, within_s: float = 0.5) -> int | Non
 def _ended(pid: int) -> bool:
     """Whether ``pid`` ended (gone, or a zombie): the check where pidfds are missing."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        return _stat(pid)[0] in ("Z", "X")
     except (OSError, IndexError):
         return True
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdist.transfer.bounce import BouncePool
+import kvdist.testing
+from kvdist.testing import Seams
+from kvdist.transfer import DEMOTE, FETCH, SPILL
+from kvdist.transfer.bounce import BOUNCE_BATCH_BYTES, BouncePool, bounce_blocks
 
 
 def _pool() -> BouncePool:
@@ -47,11 +50,6 @@ def test_a_buffer_given_back_twice_or_from_elsewhere_is_a_programming_error():
 
 def test_fetches_and_spills_are_cut_to_what_one_bounce_buffer_holds(cfg_factory):
     """No fetch or spill batch needs a buffer bigger than BOUNCE_BATCH_BYTES."""
-    import kvdist.testing
-    from kvdist.testing import Seams
-    from kvdist.transfer import DEMOTE, FETCH, SPILL
-    from kvdist.transfer.bounce import BOUNCE_BATCH_BYTES, bounce_blocks
-
     assert bounce_blocks(2 << 20) == 32 and bounce_blocks(BOUNCE_BATCH_BYTES + 1) == 1
     seams = Seams()
     cache = kvdist.testing.create(cfg_factory(gpu=4, host=4, disk=8), seams)

@@ -85,9 +85,9 @@ class DiskPool:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdist-disk",
-                                        initializer=self._mark_worker)
+                                        initializer=self.run_inline_here)
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdist-disk-read",
-                                           initializer=self._mark_worker)
+                                           initializer=self.run_inline_here)
 
     # -- start -------------------------------------------------------------------------------
     def _create(self, directory: str, rank: int) -> None:
@@ -147,14 +147,11 @@ class DiskPool:
     def run_inline_here(self) -> None:
         """Batch calls made from the calling thread run in that thread, one run of slots
         after the other, not split over the pool's workers: for threads that are disk
-        workers themselves (the CUDA executor's). Each hop to another thread costs the
+        workers themselves (the pool's own, the CUDA executor's). Each hop to another thread costs the
         process's other threads GIL hand-offs, the step's host thread among them."""
         self._local.worker = True
 
     # -- one run of neighbouring slots ---------------------------------------------------------
-    def _mark_worker(self) -> None:
-        self._local.worker = True
-
     def _bounce(self, nbytes: int) -> np.ndarray:
         """This thread's page-aligned scratch buffer of at least ``nbytes``."""
         buf = getattr(self._local, "bounce", None)

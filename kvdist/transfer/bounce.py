@@ -17,6 +17,7 @@ Buffers are whole: two batches never share one, so no batch overwrites another's
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,10 @@ BOUNCE_BATCH_BYTES = 64 << 20  # the most a fetch or spill batch moves (through 
 def bounce_blocks(block_bytes: int) -> int:
     """Blocks in a fetch or spill batch at most (``BOUNCE_BATCH_BYTES``, at least 1)."""
     return max(1, BOUNCE_BATCH_BYTES // block_bytes)
+
+
+def _blocks(buf: torch.Tensor) -> int:
+    return buf.shape[0]
 
 
 class BouncePool:
@@ -50,18 +55,15 @@ class BouncePool:
     def reserve(self, blocks: int, count: int) -> None:
         """Allocate ``count`` free buffers of ``blocks`` blocks now (at start-up)."""
         for _ in range(count):
-            buf = self._allocate(blocks)
             self.allocations += 1
-            self._free.append(buf)
-        self._free.sort(key=lambda b: b.shape[0])
+            bisect.insort(self._free, self._allocate(blocks), key=_blocks)
 
     def take(self, n: int) -> torch.Tensor:
         """A buffer of at least ``n`` block rows; the caller uses its first ``n``."""
         assert n > 0, "a bounce buffer for no blocks"
-        for i, buf in enumerate(self._free):
-            if buf.shape[0] >= n:
-                del self._free[i]
-                break
+        i = bisect.bisect_left(self._free, n, key=_blocks)  # the smallest that holds n
+        if i < len(self._free):
+            buf = self._free.pop(i)
         else:
             t0 = time.perf_counter()
             buf = self._allocate(1 << (n - 1).bit_length())
@@ -74,8 +76,7 @@ class BouncePool:
         """``buf`` (from ``take``) is no longer read or written by anyone."""
         kept = self._lent.pop(buf.data_ptr(), None)
         assert kept is buf, "a bounce buffer given back twice, or not from this pool"
-        self._free.append(buf)
-        self._free.sort(key=lambda b: b.shape[0])
+        bisect.insort(self._free, buf, key=_blocks)
 
     @property
     def lent(self) -> int:

@@ -135,7 +135,8 @@ class CudaExecutor:
         t0 = time.perf_counter()
         st = self.streams[ONBOARD.stream]
         self._gpu_wait(st, op.gpu_deps, host_tier=False)
-        op.gpu_event = self._copy(st, op.bounce, self.gpu.raw, np.arange(len(op.gpu_slots)), op.gpu_slots)
+        n = len(op.gpu_slots)
+        op.gpu_event = self._copy(st, op.buffer[:n], self.gpu.raw, np.arange(n), op.gpu_slots)
         op.gpu_deps = []
         self.submit_seconds["fetch_gpu_half"] += time.perf_counter() - t0
 
@@ -172,9 +173,15 @@ class CudaExecutor:
             if op.gpu_pending and op.future.done():
                 self._finish_fetch(op)
         while self._inflight and self.is_done(self._inflight[0]):
-            self._retire(self._inflight.popleft())
-        if self._lending:  # a bounce goes back when its batch is done, not when all before it are
-            self._lending = [op for op in self._lending if op.buffer is not None and not self._retired(op)]
+            self._inflight.popleft()
+        if self._lending:  # a bounce goes back when its own batch is done, not all before it
+            lending = []
+            for op in self._lending:
+                if self.is_done(op):
+                    self._give_back(op)
+                else:
+                    lending.append(op)
+            self._lending = lending
         if self.layered and self._unsettled:  # settled once their GPU half has run
             self._unsettled = deque(op for op in self._unsettled
                                     if op.gpu_event is None or not op.gpu_event.query())
@@ -236,23 +243,20 @@ class CudaExecutor:
         return self._disk_op(DiskOp(DEMOTE, self._workers.submit(self._write_task, deps, d.tolist(), rows)))
 
     def _spill(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
-        buffer = self._bounces.take(len(s))
-        bounce = buffer[:len(s)]
+        buffer, rows = self._take_bounce(len(s))
         st = self.streams[OFFLOAD.stream]
         self._gpu_wait(st, deps, host_tier=False)
-        self.copier.copy(st, self.gpu.raw, bounce, s, np.arange(len(s)))
+        self.copier.copy(st, self.gpu.raw, buffer[:len(s)], s, np.arange(len(s)))
         ev = self._record(st)
         disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
-        fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), list(buffer.numpy()[:len(s)]))
-        return self._disk_op(DiskOp(SPILL, fut, bounce, buffer, gpu_event=ev))
+        fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), rows)
+        return self._disk_op(DiskOp(SPILL, fut, buffer, gpu_event=ev))
 
     def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
-        buffer = self._bounces.take(len(s))
-        bounce = buffer[:len(s)]
+        buffer, rows = self._take_bounce(len(s))
         disk_deps = [e for e in deps if isinstance(e, DiskOp)]
-        rows = list(buffer.numpy()[:len(s)])
         fut = self._readers.submit(self._read_task, FETCH, disk_deps, s.tolist(), rows)
-        return self._disk_op(DiskOp(FETCH, fut, bounce, buffer, gpu_slots=d, gpu_deps=list(deps)))
+        return self._disk_op(DiskOp(FETCH, fut, buffer, gpu_slots=d, gpu_deps=list(deps)))
 
     def _promote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # Straight into the host rows (the CPU writes them: no registration limit). The
@@ -262,17 +266,16 @@ class CudaExecutor:
         fut = self._readers.submit(self._read_task, PROMOTE, deps, s.tolist(), rows)
         return self._disk_op(DiskOp(PROMOTE, fut))
 
-    def _retired(self, op: DiskOp) -> bool:
-        if self.is_done(op):
-            self._retire(op)
-            return True
-        return False
+    def _take_bounce(self, n: int) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """A bounce buffer of at least ``n`` blocks, and its first ``n`` rows as numpy
+        views for the disk worker."""
+        buffer = self._bounces.take(n)
+        return buffer, list(buffer.numpy()[:n])
 
-    def _retire(self, op: DiskOp) -> None:
+    def _give_back(self, op: DiskOp) -> None:
         """``op`` is complete (its worker done, its GPU half run): its bounce is free."""
-        if op.buffer is not None:
-            self._bounces.give(op.buffer)
-            op.buffer = op.bounce = None
+        self._bounces.give(op.buffer)
+        op.buffer = None
 
     @staticmethod
     def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -378,8 +381,8 @@ class CudaExecutor:
             self._host_wait(op.future)
         for st in self.streams.values():
             st.synchronize()
-        for op in self._inflight:
-            self._retire(op)
+        for op in self._lending:
+            self._give_back(op)
         self._inflight.clear()
         self._lending.clear()
 

@@ -48,8 +48,7 @@ class DiskOp:
 
     route: Route
     future: Future
-    bounce: torch.Tensor | None = None  # the first rows of ``buffer``
-    buffer: torch.Tensor | None = None  # the pool's, given back once the batch is complete
+    buffer: torch.Tensor | None = None  # the bounce (its first rows), given back once the batch is complete
     gpu_event: torch.cuda.Event | Grouped | None = None
     gpu_slots: np.ndarray | None = None  # fetch: where the GPU half writes
     gpu_deps: list = field(default_factory=list)  # fetch: what the GPU half waits for
