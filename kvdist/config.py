@@ -203,6 +203,8 @@ class WorkloadConfig(_Section):
     q_per_kv: int = Field(default=1, gt=0)  # query heads per K/V head (grouped-query attention)
     ffn_hidden: int = Field(default=0, ge=0)  # SwiGLU MLP width (global); 0 = 4 x hidden
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA
+    # A CUDA model on one rank replays each step's per-token work from CUDA graphs.
+    cuda_graphs: bool = True
     # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
     request_rate: float = Field(default=2.0, gt=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvdist.sim.attention import PagedAttention, plan_keys
+from kvdist.sim.paged_decode import available as paged_available
 
 
 def _reference(pool, table, q, starts, q_lens):
@@ -34,10 +35,15 @@ CASES = [([0, 37, 150, 90], [45, 20, 1, 1]),  # the engine's order: prefills, th
          ([31, 15, 159], [1, 1, 1])]  # decodes only, the last key first in its block
 
 
+# "paged": flash for prefills, decodes out of the pool by the Triton kernel (on the CPU only
+# under TRITON_INTERPRET=1 with Triton installed).
 @pytest.mark.parametrize("device,kernel,dtype", [
     ("cpu", "sdpa", torch.float32),
+    pytest.param("cpu", "paged", torch.float32, marks=pytest.mark.skipif(
+        not paged_available(torch.device("cpu")), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")),
     pytest.param("cuda", "sdpa", torch.bfloat16, marks=pytest.mark.gpu),
-    pytest.param("cuda", "flash", torch.bfloat16, marks=pytest.mark.gpu)])
+    pytest.param("cuda", "flash", torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param("cuda", "paged", torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("starts,q_lens", CASES)
 def test_attention_over_the_paged_pool_equals_each_segment_alone(device, kernel, dtype, starts, q_lens):
     g = torch.Generator(device=device).manual_seed(0)
@@ -48,7 +54,10 @@ def test_attention_over_the_paged_pool_equals_each_segment_alone(device, kernel,
     keys = plan_keys(table, list(range(len(starts))), starts, q_lens, 16)
     q = torch.randn(sum(q_lens), 8, 64, generator=g, device=device).to(dtype)
     ref = _reference(pool, table, q, starts, q_lens).float()
-    got = PagedAttention(kv_heads=2, head_dim=64, kernel=kernel).attend(pool, q, keys).float()
+    attention = PagedAttention(kv_heads=2, head_dim=64, kernel="sdpa" if device == "cpu" else "flash",
+                               paged_decodes=True) if kernel == "paged" else \
+        PagedAttention(kv_heads=2, head_dim=64, kernel=kernel)
+    got = attention.attend(pool, q, keys).float()
     err = float((got - ref).norm() / ref.norm())
     print(f"\n{kernel} on {device}: relative error {err:.2e}")
     assert err < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -60,3 +60,58 @@ def test_cached_forward_equals_a_recompute_in_bfloat16():
     finally:
         cache.close()
         tp.free()
+
+
+def test_a_step_replayed_from_cuda_graphs_equals_the_eager_step():
+    """Piecewise CUDA graphs (``Decoder.capture_graphs``) compute the same step: the same
+    K/V into the same pool slots and the same logits (bfloat16 matmuls of another row
+    count may round differently: within the run's tolerance), for steps in a bucket,
+    padded into a larger one, and past the largest (eager)."""
+    cache = _cache(blocks=96)
+    tp = TensorParallel()
+    try:
+        lay = cache.layout
+        model = Decoder(Geometry(lay.num_layers, lay.num_kv_heads, lay.head_dim, q_per_kv=4, hidden=512,
+                                 ffn=1024, vocab=1000),
+                        seed=3, tp=tp, device=cache.device, kv_dtype=torch.bfloat16,
+                        compute_dtype=torch.bfloat16, tokens_per_block=16)
+        assert model.can_capture()
+        tol = logits_tolerance(torch.bfloat16, torch.bfloat16)
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(0, 1000, n).astype(np.int32) for n in (150, 40, 200)]
+        cache.begin_step()
+        for rid, p in enumerate(prompts):
+            cache.add_sequence(rid, p.tolist())
+        table = cache.block_table([0, 1, 2])
+        cache.end_step()
+        seg = (lambda rid, start: Segment(rid, start, prompts[rid][start:]))  # noqa: E731
+        steps = [  # (segments, bucket): a prefill and decodes; decodes alone; past the buckets
+            ([seg(0, 100), seg(1, 39), seg(2, 199)], 64), ([seg(0, 149), seg(2, 199)], 8),
+            ([seg(2, 0)], None)]
+        cache.begin_step()
+        pool = [cache.kv_pool(layer) for layer in range(lay.num_layers)]
+        cache.end_step()
+        before = [torch.randn(p.shape, device=p.device).to(p.dtype) for p in pool]  # what attention reads
+
+        def run(segs):
+            for p, b in zip(pool, before):
+                p.copy_(b)
+            cache.begin_step()
+            logits, written = model.forward_cached(cache, table, segs)
+            cache.end_step()
+            return logits.clone(), written.clone(), [p.ne(b) for p, b in zip(pool, before)]
+
+        eager = [run(segs) for segs, _ in steps]
+        model.capture_graphs(buckets=(8, 64))
+        for (segs, bucket), (e_logits, e_written, e_changed) in zip(steps, eager):
+            logits, written, changed = run(segs)
+            assert model.graphs.fits(sum(len(s.tokens) for s in segs)) == (bucket is not None)
+            assert float((logits - e_logits).abs().max()) <= tol * max(1.0, float(e_logits.abs().max()))
+            assert float((written.float() - e_written.float()).abs().max()) <= 0.05 * float(
+                e_written.float().abs().max())
+            for layer in range(lay.num_layers):  # the same slots written, and only those
+                assert torch.equal(changed[layer], e_changed[layer]), f"layer {layer}: other slots written"
+                assert int(changed[layer].any(-1).any(-1).sum()) > 0
+    finally:
+        cache.close()
+        tp.free()

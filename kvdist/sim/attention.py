@@ -16,6 +16,8 @@ Two kernels:
   once for the step's multi-token segments and once for its decodes, the decodes with
   their query heads packed as rows of their K/V head (a tile of ``q_per_kv`` rows
   instead of one row per head: 4x fewer thread blocks streaming the same keys);
+  with Triton (CUDA builds of torch), the decodes instead read their keys where they lie
+  (``paged_decode``: no gather, one kernel and a combine a layer);
 * ``sdpa`` (CPU, or any other dtype): ``scaled_dot_product_attention`` per multi-token
   segment with an explicit bottom-right causal mask, and one padded batch for the
   decodes."""
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .paged_decode import paged_decode
 
 __all__ = ["KeyGroup", "KeyPlan", "PagedAttention", "flash_available", "plan_keys"]
 
@@ -43,6 +47,8 @@ class KeyGroup:
     q_lens: np.ndarray  # host copies (no device sync to read them)
     k_lens: np.ndarray
     k_starts: np.ndarray  # host copy of cu_k[:-1]
+    table: torch.Tensor  # the step's block table (int32 rows): the paged decode kernel reads it
+    table_rows: torch.Tensor  # int32 [n] on the device: each segment's row of ``table``
 
 
 @dataclass(slots=True)
@@ -70,7 +76,8 @@ def _group(table: torch.Tensor, rows: np.ndarray, starts: np.ndarray, q_lens: np
     c = np.arange(int(nblk.sum())) - np.repeat(np.cumsum(nblk) - nblk, nblk)
     blocks = table[torch.from_numpy(r).to(dev), torch.from_numpy(c).to(dev)].long()
     up = (lambda a: torch.from_numpy(a.astype(np.int32)).to(dev))
-    return KeyGroup(_rows(q_rows, dev), blocks, up(cu_q), up(cu_k), up(k), q_lens, k, cu_k[:-1])
+    return KeyGroup(_rows(q_rows, dev), blocks, up(cu_q), up(cu_k), up(k), q_lens, k, cu_k[:-1], table,
+                    up(rows))
 
 
 def plan_keys(table: torch.Tensor, rows: list[int], starts: list[int], q_lens: list[int],
@@ -99,16 +106,25 @@ def flash_available(device: torch.device, compute_dtype: torch.dtype) -> bool:
 
 class PagedAttention:
     """``attend(pool, q, plan)``: ``q [Tq, Hq, D]`` of the step's segments, in order;
-    returns ``[Tq, Hq, D]`` in ``q``'s dtype."""
+    returns ``[Tq, Hq, D]`` in ``q``'s dtype. ``paged_decodes``: the decodes read
+    their keys where they lie (``paged_decode``, Triton) instead of gathered."""
 
-    def __init__(self, *, kv_heads: int, head_dim: int, kernel: str):
+    def __init__(self, *, kv_heads: int, head_dim: int, kernel: str, paged_decodes: bool = False):
         assert kernel in ("flash", "sdpa"), f"unknown attention kernel {kernel!r}"
-        self.H, self.D, self.kernel = kv_heads, head_dim, kernel
+        self.H, self.D, self.kernel, self.paged_decodes = kv_heads, head_dim, kernel, paged_decodes
 
-    def attend(self, pool: torch.Tensor, q: torch.Tensor, plan: KeyPlan) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def describe(self) -> str:
+        return self.kernel + (" (decodes: paged Triton kernel)" if self.paged_decodes else "")
+
+    def attend(self, pool: torch.Tensor, q: torch.Tensor, plan: KeyPlan,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: where to write (``q``'s shape and dtype), else a new tensor."""
+        out = torch.empty_like(q) if out is None else out
         for group, one in ((plan.multi, False), (plan.single, True)):
             if group is None:
+                continue
+            if one and self.paged_decodes:
+                self._paged(pool, q, group, out)
                 continue
             # Whole blocks: [nb, tokens_per_block, H, D] -> [nb * tokens_per_block, H, D].
             k = pool[:, 0].index_select(0, group.blocks).flatten(0, 1).to(q.dtype)
@@ -122,6 +138,18 @@ class PagedAttention:
             else:
                 out[group.q_rows] = self._sdpa(qg, k, v, group)
         return out
+
+    @staticmethod
+    def _paged(pool: torch.Tensor, q: torch.Tensor, group: KeyGroup, out: torch.Tensor) -> None:
+        """The decodes straight out of the pool, into ``out`` (in place when their rows
+        are a range, as the engine orders them: decodes last)."""
+        rows, longest = group.q_rows, int(group.k_lens.max())
+        if isinstance(rows, slice):
+            paged_decode(q[rows], pool, group.table, group.table_rows, group.used_k, out[rows], longest)
+        else:
+            qg = q[rows]
+            out[rows] = paged_decode(qg, pool, group.table, group.table_rows, group.used_k,
+                                     torch.empty_like(qg), longest)
 
     @staticmethod
     def _flash(q, k, v, group: KeyGroup, cu_q, max_q: int, *, causal: bool) -> torch.Tensor:

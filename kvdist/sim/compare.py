@@ -42,9 +42,12 @@ def build_model(cfg: CacheConfig, tp: TensorParallel, comm=None) -> Decoder:
     _, table = placements(cfg.cache.device, comm)
     device = torch.device(table[tp.rank].device)
     w, m = cfg.workload, cfg.model
-    return Decoder(Geometry.from_config(cfg), seed=w.seed, tp=tp, device=device,
-                   kv_dtype=torch_dtype(m.dtype), compute_dtype=compute_dtype_for(w.compute_dtype, device),
-                   tokens_per_block=cfg.cache.tokens_per_block)
+    model = Decoder(Geometry.from_config(cfg), seed=w.seed, tp=tp, device=device,
+                    kv_dtype=torch_dtype(m.dtype), compute_dtype=compute_dtype_for(w.compute_dtype, device),
+                    tokens_per_block=cfg.cache.tokens_per_block)
+    if w.cuda_graphs and model.can_capture():
+        model.capture_graphs()
+    return model
 
 
 WARM_UP_REQUESTS = 48

@@ -175,6 +175,8 @@ class Simulation:
             kv_dtype=torch_dtype(layout.dtype), tokens_per_block=layout.tokens_per_block,
             compute_dtype=compute_dtype_for(self.w.compute_dtype, cache.device))
         assert self.model.device == cache.device, f"model on {self.model.device}, cache on {cache.device}"
+        if self._given_model is None and self.w.cuda_graphs and self.model.can_capture():
+            self.model.capture_graphs()
         self.time = RealTime(cache.device, self.tp) if self.realtime else StepTime(cache.device)
         self.latency = Latencies()
         # Blocks another replica computed are checked against its writes at the end.
@@ -379,7 +381,8 @@ class Simulation:
             f"{ws:,} blocks = {ws / self.capacity['gpu']:.1f}x the GPU tier"
             + (f"; arrivals {w.request_rate:g} req/s (open loop, real time)" if self.realtime else ""),
             f"  model: {m.g.describe(self.tp.size)}; {str(m.cdt).removeprefix('torch.')} compute, "
-            f"{m.attention.kernel} attention on {cache.device}",
+            f"{m.attention.describe()} attention on {cache.device}"
+            + (f", CUDA graphs for steps of up to {m.graphs.buckets[-1]} tokens" if m.graphs else ""),
         ])
 
     def _results(self) -> dict:

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from ..config import CacheConfig
 from .attention import PagedAttention, flash_available, plan_keys
+from .graphs import DEFAULT_BUCKETS, StepGraphs
+from .paged_decode import available as paged_available
 from .parallel import TensorParallel
 
 log = logging.getLogger("kvdist.sim")
@@ -95,7 +97,8 @@ class Decoder:
         self.tp, self.device, self.kv_dtype, self.cdt = tp, device, kv_dtype, compute_dtype
         self.tpb = tokens_per_block
         kernel = "flash" if flash_available(device, compute_dtype) else "sdpa"
-        self.attention = PagedAttention(kv_heads=self.H, head_dim=self.D, kernel=kernel)
+        self.attention = PagedAttention(kv_heads=self.H, head_dim=self.D, kernel=kernel,
+                                        paged_decodes=kernel == "flash" and paged_available(device))
         H, D, r = self.H, self.D, tp.rank
         total_kv = H * tp.size
         ffn_mine = np.array_split(np.arange(g.ffn), tp.size)[tp.rank]
@@ -120,6 +123,19 @@ class Decoder:
         half = D // 2
         self._inv_freq = (1.0 / 10000 ** (torch.arange(half, dtype=torch.float64) / max(half, 1))
                           ).to(torch.float32).to(device)
+        self.graphs: StepGraphs | None = None  # capture_graphs()
+
+    def can_capture(self) -> bool:
+        """Whether steps can replay CUDA graphs (``graphs``): a CUDA model on one rank."""
+        return self.device.type == "cuda" and self.tp.size == 1
+
+    def capture_graphs(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        """From now on a step of at most ``max(buckets)`` tokens replays its per-token
+        work from CUDA graphs (``graphs``: attention stays eager); ``can_capture`` first."""
+        assert self.can_capture(), f"no CUDA graphs on {self.device} with {self.tp.size} ranks"
+        graphs = StepGraphs(self, buckets)
+        graphs.capture()
+        self.graphs = graphs
 
     # -- pieces ---------------------------------------------------------------------------------
     def _rotation(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,34 +186,51 @@ class Decoder:
         and the K/V written ``[T, layers, 2, heads, head_dim]`` in the cache's dtype."""
         dev, tpb = self.device, self.tpb
         lens = [len(s.tokens) for s in segs]
-        tok = torch.from_numpy(np.concatenate([s.tokens for s in segs]).astype(np.int64)).to(dev)
-        pos = torch.cat([torch.arange(s.start, s.end) for s in segs]).to(dev)
-        rows = torch.repeat_interleave(torch.tensor([s.row for s in segs]), torch.tensor(lens)).to(dev)
+        tok = torch.from_numpy(np.concatenate([s.tokens for s in segs]).astype(np.int64))
+        pos = torch.cat([torch.arange(s.start, s.end) for s in segs])
+        T = len(tok)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(T) else None
+        if graphs is not None:  # embeds, rotates and computes layer 0's queries and K/V
+            graphs.begin(tok, pos)
+            pos = graphs.pos[:T]
+        else:
+            tok, pos = tok.to(dev), pos.to(dev)
+            x = self.embed[tok].to(torch.float32)
+            rot = self._rotation(pos)
+        rows = torch.from_numpy(np.repeat(np.array([s.row for s in segs], dtype=np.int64), lens)).to(dev)
         blk = table[rows, pos // tpb].long()
         off = pos % tpb
         keys = plan_keys(table, [s.row for s in segs], [s.start for s in segs], lens, tpb)
-        written = torch.empty((len(tok), self.L, 2, self.H, self.D), dtype=self.kv_dtype, device=dev)
-        x = self.embed[tok].to(torch.float32)
-        rot = self._rotation(pos)
+        written = torch.empty((T, self.L, 2, self.H, self.D), dtype=self.kv_dtype, device=dev)
         for layer in range(self.L):
-            h, q, kv = self._qkv(layer, x, rot)
+            if graphs is not None:
+                q, kv = graphs.q[:T], graphs.kv[:T]
+            else:
+                h, q, kv = self._qkv(layer, x, rot)
             pool = cache.kv_pool(layer)
             pool[blk, :, off] = kv
             written[:, layer] = kv
-            attn = self._attend(pool, q, keys)
-            x = self._layer_tail(layer, x, h, attn.reshape(len(tok), -1))
+            if graphs is not None:
+                self._attend(pool, q, keys, out=graphs.attn[:T])
+                graphs.layer(layer)  # the layer's tail and the next one's queries and K/V
+            else:
+                attn = self._attend(pool, q, keys)
+                x = self._layer_tail(layer, x, h, attn.reshape(T, -1))
+        if graphs is not None:
+            x = graphs.x[:T]
         ends = torch.as_tensor(np.cumsum(lens) - 1, device=dev)
         return self._logits(x[ends]), written
 
-    def _attend(self, pool: torch.Tensor, q: torch.Tensor, keys) -> torch.Tensor:
+    def _attend(self, pool: torch.Tensor, q: torch.Tensor, keys, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         try:
-            return self.attention.attend(pool, q, keys)
+            return self.attention.attend(pool, q, keys, out)
         except RuntimeError as e:  # a build without the varlen flash kernel: say so once
             if self.attention.kernel != "flash":
                 raise
             log.warning("flash attention failed (%s); using scaled_dot_product_attention", e)
             self.attention.kernel = "sdpa"
-            return self.attention.attend(pool, q, keys)
+            return self.attention.attend(pool, q, keys, out)
 
     # -- the reference: a from-scratch recompute without the cache -------------------------------
     def forward_dense(self, tokens: np.ndarray) -> torch.Tensor:

@@ -35,7 +35,7 @@ class TensorParallel:
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks in place (device tensors are staged through host
         memory: the MPI library is not assumed to be CUDA-aware)."""
-        if self.mpi is None:
+        if self.mpi is None or self.size == 1:
             return t
         host = t.detach().to("cpu", copy=t.device.type != "cpu").contiguous()
         self._wait(self.mpi.Iallreduce(self._c.MPI.IN_PLACE, host.numpy(), op=self._c.MPI.SUM))
