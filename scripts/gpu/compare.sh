@@ -3,7 +3,7 @@
 #   bash scripts/gpu/compare.sh                       (about 10 minutes on the H200)
 # Measured 2026-12-01: capacity (step 3) 137 s, step 4 305 s, step 5 95 s; under a
 # 10-minute limit per call run STEPS="1 2 3", then STEPS="4 5" RATE=<the rate step 3
-# printed> (12.4 on the H200).
+# printed> (13.8 on the H200, 2026-12-01).
 #   1. CUDA tests of the model (each attention kernel vs each segment alone, cached bf16 forward vs
 #      recompute) and of layer-wise onboarding (gated onboard stream, S5 on and off);
 #   2. bench layerwise: compute waits on onboarding, whole step vs layer groups, equal bytes;
@@ -64,7 +64,7 @@ if has 3 && [ -z "${RATE:-}" ]; then
 print(round(0.7 * r['runs']['gpu-only']['latency']['requests_per_s'], 1))")
     echo "rate for the comparison: 0.7 x GPU-only's capacity = $RATE requests/s"
 fi
-RATE=${RATE:-12.4}
+RATE=${RATE:-13.8}
 if has 4; then
     echo "== run --compare at $RATE requests/s"
     compare h200 --config $CONFIG --compare --rate "$RATE"
