@@ -1,11 +1,13 @@
 """A job that is killed or interrupted loses nothing and leaves nothing: a real
 2-rank job (launch/kvdist-launch) gets a signal once its caches exist (its header
-line is the marker); then the disk-tier directory must be empty, the job must end
-by itself within seconds, and one line must say what happened."""
+line is the marker); then the disk-tier directory must be empty, no shared-memory
+segment of MPICH's may be left in /dev/shm, the job must end by itself within
+seconds, and one line must say what happened."""
 
 import os
 import re
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,18 @@ from .launching import finish, rank_pid, start, tiny_config, wait_for_line
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
 
 HEADER = "kvdist run: 2 ranks"
+
+
+def _unmapped_segments() -> set[Path]:
+    """MPICH's segments in /dev/shm that no live process maps: left behind."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:
+            continue
+        mapped |= {ln.split(None, 5)[-1].removesuffix(" (deleted)") for ln in lines if "/dev/shm/" in ln}
+    return {p for p in Path("/dev/shm").glob("mpich_shm_*") if str(p) not in mapped}
 
 
 def _run(tmp_path):
@@ -29,6 +43,7 @@ def _lines(text: str, pattern: str) -> list[str]:
 
 
 def test_sigkill_of_a_rank_leaves_no_file_and_names_the_rank(tmp_path):
+    left = _unmapped_segments()
     proc, disk = _run(tmp_path)
     victim = rank_pid(proc, 1)
     assert os.listdir(disk) == []  # the rank's disk file is open, and has no name
@@ -39,6 +54,7 @@ def test_sigkill_of_a_rank_leaves_no_file_and_names_the_rank(tmp_path):
     assert said == [f"kvdist: rank 1 (pid {victim} on {os.uname().nodename}) was killed by SIGKILL; "
                     "the job ends"], err
     assert os.listdir(disk) == []
+    assert _unmapped_segments() - left == set()  # MPICH leaves its segment when a rank is killed
 
 
 def test_sigterm_of_one_rank_stops_every_rank_cleanly(tmp_path):

@@ -86,3 +86,20 @@ def test_the_banner_gives_the_status_a_watcher_could_not_read(launcher):
     # no watcher at all (not `run`): the banner alone, when the rank is known
     assert watch(launcher, {}, output=OMPI, stream=2) == "rank 3 (pid 810 on kvn751b) was killed by SIGKILL"
     assert watch(launcher, {}, output=HYDRA) is None
+
+
+def test_leftover_segments_go_unless_a_live_process_maps_them(launcher, tmp_path):
+    """After a job, the launcher removes MPICH's segments that appeared during it and
+    that no process maps (a killed rank's); another job's, mapped, and older ones stay."""
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    shm.mkdir()
+    (shm / "mpich_shm_old_0").write_bytes(b"x")  # before the job: not the launcher's to judge
+    before = launcher.shm_segments(shm)
+    for name in ("mpich_shm_left_0", "mpich_shm_live_0", "other_0"):
+        (shm / name).write_bytes(b"x")
+    live = shm / "mpich_shm_live_0"
+    (proc / "4242" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 99   {live}\n"
+                                        "7f20-7f30 r-xp 00000000 08:01 12   /usr/lib/libc.so.6\n")
+    assert launcher.remove_leftovers(before, shm, proc) == 1
+    assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_live_0", "mpich_shm_old_0", "other_0"]
