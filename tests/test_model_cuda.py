@@ -24,15 +24,20 @@ def _cache(layers=4, heads=2, dim=64, blocks=64):
         cache={"device": "cuda", "tokens_per_block": 16, "gpu": {"blocks": blocks}}))
 
 
+def _model(cache, tp: TensorParallel, seed: int) -> Decoder:
+    """A small bfloat16 model over ``cache``'s geometry (its K/V heads, 4 query heads each)."""
+    lay = cache.layout
+    return Decoder(Geometry(lay.num_layers, lay.num_kv_heads, lay.head_dim, q_per_kv=4, hidden=512, ffn=1024,
+                            vocab=1000),
+                   seed=seed, tp=tp, device=cache.device, kv_dtype=torch.bfloat16,
+                   compute_dtype=torch.bfloat16, tokens_per_block=16)
+
+
 def test_cached_forward_equals_a_recompute_in_bfloat16():
     cache = _cache()
     tp = TensorParallel()
     try:
-        lay = cache.layout
-        model = Decoder(Geometry(lay.num_layers, lay.num_kv_heads, lay.head_dim, q_per_kv=4, hidden=512,
-                                 ffn=1024, vocab=1000),
-                        seed=2, tp=tp, device=cache.device, kv_dtype=torch.bfloat16,
-                        compute_dtype=torch.bfloat16, tokens_per_block=16)
+        model = _model(cache, tp, seed=2)
         assert model.attention.kernel == "flash"
         tol = logits_tolerance(torch.bfloat16, torch.bfloat16)
         rng = np.random.default_rng(0)
@@ -71,10 +76,7 @@ def test_a_step_replayed_from_cuda_graphs_equals_the_eager_step():
     tp = TensorParallel()
     try:
         lay = cache.layout
-        model = Decoder(Geometry(lay.num_layers, lay.num_kv_heads, lay.head_dim, q_per_kv=4, hidden=512,
-                                 ffn=1024, vocab=1000),
-                        seed=3, tp=tp, device=cache.device, kv_dtype=torch.bfloat16,
-                        compute_dtype=torch.bfloat16, tokens_per_block=16)
+        model = _model(cache, tp, seed=3)
         assert model.can_capture()
         tol = logits_tolerance(torch.bfloat16, torch.bfloat16)
         rng = np.random.default_rng(1)
