@@ -4,6 +4,8 @@ kill, interrupt or mis-configure a job."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import selectors
 import subprocess
@@ -24,6 +26,15 @@ TINY = {
                  "user_tokens": [8, 32], "output_tokens": [2, 8], "arrival_rate": 2.0, "max_batch": 8,
                  "hidden": 16, "verify_logits_every": 0},
 }
+
+
+def launcher_module():
+    """launch/kvdist-launch as a module (it is a script without a .py name)."""
+    loader = importlib.machinery.SourceFileLoader("kvdist_launch", str(ROOT / "launch" / "kvdist-launch"))
+    spec = importlib.util.spec_from_loader("kvdist_launch", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def tiny_config(tmp_path: Path, disk_dir: Path | None = None, **sections) -> Path:

@@ -7,11 +7,12 @@ seconds, and one line must say what happened."""
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from .launching import finish, rank_pid, start, tiny_config, wait_for_line
+from .launching import LAUNCH, ROOT, finish, rank_pid, start, tiny_config, wait_for_line
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
 
@@ -43,7 +44,7 @@ def _lines(text: str, pattern: str) -> list[str]:
 
 
 def test_sigkill_of_a_rank_leaves_no_file_and_names_the_rank(tmp_path):
-    left = _unmapped_segments()
+    left = set(Path("/dev/shm").glob("mpich_shm_*"))  # others' (an earlier job's may still go away)
     proc, disk = _run(tmp_path)
     victim = rank_pid(proc, 1)
     assert os.listdir(disk) == []  # the rank's disk file is open, and has no name
@@ -64,6 +65,7 @@ def test_sigterm_of_one_rank_stops_every_rank_cleanly(tmp_path):
     assert code == 128 + signal.SIGTERM, (out, err)
     assert _lines(err, "kvdist: ") == ["kvdist: stopped by SIGTERM on rank 1; caches closed"], err
     assert "Traceback" not in err and "BAD TERMINATION" not in out
+    assert "MPICH left" not in err  # the ranks' own exit removed MPICH's segment (not the launcher)
     assert os.listdir(disk) == []
 
 
@@ -74,4 +76,24 @@ def test_ctrl_c_to_the_process_group_is_one_line_and_exit_130(tmp_path):
     assert code == 130, (out, err)
     assert _lines(err, "kvdist: ") == ["kvdist: interrupted; caches closed"], err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "BAD TERMINATION" not in out
+    assert "MPICH left" not in err
     assert os.listdir(disk) == []
+
+
+def test_ranks_leaving_on_a_mistake_exit_with_its_code_and_leave_no_segment(tmp_path):
+    """Every rank leaves a job that stops on an error through ``process.exit_now``:
+    the job's status must be the error's (2 for a config mistake), not 9 (mpiexec
+    killing ranks that had finalized), and MPICH's segment must go with the ranks (its
+    exit handler). Run straight under mpiexec, without the launcher's clean-up, three
+    times: leaving through ``os._exit`` (before 2026-12-01) failed now and then (this
+    test's job ended with 9 in a CI run; a bare 4-rank script, 5 of 8 runs)."""
+    bad = tiny_config(tmp_path, cache={"gpu": {"blocks": 10**12}})  # found once the ranks have talked
+    line = subprocess.run([*LAUNCH, "--dry-run", "-n", "4", "run", "--config", str(bad)], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = set(Path("/dev/shm").glob("mpich_shm_*"))
+    for _ in range(3):
+        job = subprocess.run(line, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MPIEXEC_TIMEOUT": "120"})
+        assert job.returncode == 2, (job.stdout, job.stderr)
+        assert "cache.gpu.blocks" in job.stderr and "BAD TERMINATION" not in job.stdout
+        assert _unmapped_segments() - left == set()

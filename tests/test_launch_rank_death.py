@@ -3,23 +3,16 @@ mpiexec's banners (MPICH's Hydra, Open MPI's prterun, as each printed them on th
 two-node test bed) and which rank its line names, from the watchers' reports and the
 banner (tests/nodes/test_two_nodes.py kills real ranks on both nodes)."""
 
-import importlib.machinery
-import importlib.util
 import signal
-from pathlib import Path
 
 import pytest
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch" / "kvdist-launch"
+from .launching import launcher_module
 
 
 @pytest.fixture(scope="module")
 def launcher():
-    loader = importlib.machinery.SourceFileLoader("kvdist_launch", str(LAUNCH))
-    spec = importlib.util.spec_from_loader("kvdist_launch", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return launcher_module()
 
 
 HYDRA = b"""
@@ -101,5 +94,5 @@ def test_leftover_segments_go_unless_a_live_process_maps_them(launcher, tmp_path
     live = shm / "mpich_shm_live_0"
     (proc / "4242" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 99   {live}\n"
                                         "7f20-7f30 r-xp 00000000 08:01 12   /usr/lib/libc.so.6\n")
-    assert launcher.remove_leftovers(before, shm, proc) == 1
+    assert launcher.remove_leftovers(before, shm, proc, grace_s=0.1) == 1
     assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_live_0", "mpich_shm_old_0", "other_0"]

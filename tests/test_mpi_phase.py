@@ -7,25 +7,29 @@ import sys
 import time
 from pathlib import Path
 
+from .launching import launcher_module
+
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def test_a_failure_on_one_rank_aborts_the_mpi_job_at_once():
+    launcher = launcher_module()
+    segments = launcher.shm_segments()
     t0 = time.monotonic()
     r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
                         "--with-mpi", "-p", "no:cacheprovider", "tests/mpi/failing_demo.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MPIEXEC_TIMEOUT": "300"})
     seconds = time.monotonic() - t0
+    launcher.remove_leftovers(segments)  # the aborted ranks leave MPICH's segment: what this test made
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     # Hydra forwards the ranks' output through pipes and may drop what a rank wrote just
-    # before MPI_Abort killed the job (seen once in ~20 CI runs: nothing at all came
-    # back). The rule itself is the status and the time; the message, when it arrives,
-    # must be the abort's.
-    if out.strip():
-        assert "rank 1 fails on purpose" in out and "aborting the MPI job" in out, out
+    # before MPI_Abort killed the job (seen in CI: nothing at all came back; on the dev
+    # box, 2026-12-01, only pytest's "F"). The rule itself is the status and the time;
+    # what arrives must be the demo's failure, not another error.
+    assert "rank 1 fails on purpose" in out or ("Error" not in out and "Traceback" not in out), out
     assert seconds < 120, f"the job ran {seconds:.0f} s: it waited for MPIEXEC_TIMEOUT"
 
 
