@@ -106,7 +106,7 @@ def exit_now(code: int, wait_s: float = 30.0) -> None:
             time.sleep(0.001)
         mpi.Finalize()
         try:
-            ctypes.CDLL(None).exit(code)  # exit handlers run; Python's own exit does not
+            ctypes.PyDLL(None).exit(code)  # C exit handlers run, holding the GIL; Python's exit does not
         finally:
             os._exit(code)
     sys.exit(code)
