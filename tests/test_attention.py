@@ -51,7 +51,7 @@ def test_attention_over_the_paged_pool_equals_each_segment_alone(device, kernel,
     pool = torch.randn(64, 2, 16, 2, 64, generator=g, device=device).to(torch.bfloat16)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).to(torch.int32)
     table = perm[:40].view(4, 10).to(device)  # blocks scattered over the pool
-    keys = plan_keys(table, list(range(len(starts))), starts, q_lens, 16)
+    keys = plan_keys(table, list(range(len(starts))), starts, q_lens, 16, paged_decodes=kernel == "paged")
     q = torch.randn(sum(q_lens), 8, 64, generator=g, device=device).to(dtype)
     ref = _reference(pool, table, q, starts, q_lens).float()
     attention = PagedAttention(kv_heads=2, head_dim=64, kernel="sdpa" if device == "cpu" else "flash",

@@ -40,15 +40,15 @@ class KeyGroup:
     """Segments attended by one kernel call: the multi-token ones or the decodes."""
 
     q_rows: torch.Tensor | slice  # their queries among the step's
-    blocks: torch.Tensor  # [nb] pool block of every key block, segment by segment
+    blocks: torch.Tensor | None  # [nb] pool block of every key block, segment by segment (gathered)
     cu_q: torch.Tensor  # int32 [n + 1] on the device: the segments among the queries
     cu_k: torch.Tensor  # int32 [n + 1]: among the gathered keys (whole blocks)
     used_k: torch.Tensor  # int32 [n]: keys each segment attends (seqused_k)
     q_lens: np.ndarray  # host copies (no device sync to read them)
     k_lens: np.ndarray
     k_starts: np.ndarray  # host copy of cu_k[:-1]
-    table: torch.Tensor  # the step's block table (int32 rows): the paged decode kernel reads it
-    table_rows: torch.Tensor  # int32 [n] on the device: each segment's row of ``table``
+    table: torch.Tensor  # the step's block table (int32 rows)
+    table_rows: torch.Tensor | None  # int32 [n] on the device: each segment's row of ``table`` (paged)
 
 
 @dataclass(slots=True)
@@ -66,36 +66,41 @@ def _rows(idx: np.ndarray, dev: torch.device) -> torch.Tensor | slice:
 
 
 def _group(table: torch.Tensor, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
-           q_rows: np.ndarray, tokens_per_block: int) -> KeyGroup:
+           q_rows: np.ndarray, tokens_per_block: int, paged: bool) -> KeyGroup:
+    """``paged``: the kernel reads the table itself (its rows go up), else the key
+    blocks are listed for the gather."""
     dev = table.device
     k = starts + q_lens
     nblk = -(-k // tokens_per_block)
     cu_q = np.concatenate([[0], np.cumsum(q_lens)])
     cu_k = np.concatenate([[0], np.cumsum(nblk * tokens_per_block)])
-    r = np.repeat(rows, nblk)
-    c = np.arange(int(nblk.sum())) - np.repeat(np.cumsum(nblk) - nblk, nblk)
-    blocks = table[torch.from_numpy(r).to(dev), torch.from_numpy(c).to(dev)].long()
     up = (lambda a: torch.from_numpy(a.astype(np.int32)).to(dev))
+    blocks = None
+    if not paged:
+        r = np.repeat(rows, nblk)
+        c = np.arange(int(nblk.sum())) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+        blocks = table[torch.from_numpy(r).to(dev), torch.from_numpy(c).to(dev)].long()
     return KeyGroup(_rows(q_rows, dev), blocks, up(cu_q), up(cu_k), up(k), q_lens, k, cu_k[:-1], table,
-                    up(rows))
+                    up(rows) if paged else None)
 
 
 def plan_keys(table: torch.Tensor, rows: list[int], starts: list[int], q_lens: list[int],
-              tokens_per_block: int) -> KeyPlan:
+              tokens_per_block: int, paged_decodes: bool = False) -> KeyPlan:
     """The key blocks of every segment (positions ``0 .. start + q_len - 1`` of table
-    row ``rows[i]``), the multi-token segments and the decodes apart."""
+    row ``rows[i]``), the multi-token segments and the decodes apart; ``paged_decodes``:
+    as ``PagedAttention.paged_decodes`` (the decodes' blocks are then not listed)."""
     rows_a = np.asarray(rows, dtype=np.int64)
     s = np.asarray(starts, dtype=np.int64)
     q = np.asarray(q_lens, dtype=np.int64)
     first = np.concatenate([[0], np.cumsum(q)[:-1]])
     groups = []
-    for pick in (q > 1, q == 1):
+    for pick, paged in ((q > 1, False), (q == 1, paged_decodes)):
         i = np.flatnonzero(pick)
         if not len(i):
             groups.append(None)
             continue
         q_rows = np.concatenate([np.arange(first[j], first[j] + q[j]) for j in i])
-        groups.append(_group(table, rows_a[i], s[i], q[i], q_rows, tokens_per_block))
+        groups.append(_group(table, rows_a[i], s[i], q[i], q_rows, tokens_per_block, paged))
     return KeyPlan(*groups)
 
 
@@ -126,6 +131,7 @@ class PagedAttention:
             if one and self.paged_decodes:
                 self._paged(pool, q, group, out)
                 continue
+            assert group.blocks is not None, "decodes planned for the paged kernel: plan_keys(paged_decodes=)"
             # Whole blocks: [nb, tokens_per_block, H, D] -> [nb * tokens_per_block, H, D].
             k = pool[:, 0].index_select(0, group.blocks).flatten(0, 1).to(q.dtype)
             v = pool[:, 1].index_select(0, group.blocks).flatten(0, 1).to(q.dtype)
@@ -143,6 +149,7 @@ class PagedAttention:
     def _paged(pool: torch.Tensor, q: torch.Tensor, group: KeyGroup, out: torch.Tensor) -> None:
         """The decodes straight out of the pool, into ``out`` (in place when their rows
         are a range, as the engine orders them: decodes last)."""
+        assert group.table_rows is not None, "decodes planned for a gather: plan_keys(paged_decodes=)"
         rows, longest = group.q_rows, int(group.k_lens.max())
         if isinstance(rows, slice):
             paged_decode(q[rows], pool, group.table, group.table_rows, group.used_k, out[rows], longest)

@@ -200,7 +200,8 @@ class Decoder:
         rows = torch.from_numpy(np.repeat(np.array([s.row for s in segs], dtype=np.int64), lens)).to(dev)
         blk = table[rows, pos // tpb].long()
         off = pos % tpb
-        keys = plan_keys(table, [s.row for s in segs], [s.start for s in segs], lens, tpb)
+        keys = plan_keys(table, [s.row for s in segs], [s.start for s in segs], lens, tpb,
+                         paged_decodes=self.attention.paged_decodes)
         written = torch.empty((T, self.L, 2, self.H, self.D), dtype=self.kv_dtype, device=dev)
         for layer in range(self.L):
             if graphs is not None:

@@ -81,11 +81,10 @@ class CudaExecutor:
         # The host tier's rows as numpy views for the disk workers: indexing them takes no
         # torch op on the host thread (each one hands the GIL to whichever worker wants it).
         self._host_rows = host.raw.numpy() if host is not None else None
-        self._inflight: deque[DiskOp] = deque()  # disk batches not known complete (hold their bounces)
+        self._inflight: list[DiskOp] = []  # disk batches not known complete (some hold a bounce)
         self._bounces = BouncePool(gpu.raw.shape[1])
         if disk is not None:  # the engine cuts fetches and spills to bounce_blocks: two such buffers
             self._bounces.reserve(min(bounce_blocks(gpu.raw.shape[1]), disk.num_blocks), 2)
-        self._lending: list[DiskOp] = []  # disk batches holding a bounce buffer, in any order
         self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
         self.counters = ExecutorCounters()
         self.submit_seconds: Counter[str] = Counter()  # host time in ``submit``, by route
@@ -172,16 +171,14 @@ class CudaExecutor:
         for op in list(self._unsettled):
             if op.gpu_pending and op.future.done():
                 self._finish_fetch(op)
-        while self._inflight and self.is_done(self._inflight[0]):
-            self._inflight.popleft()
-        if self._lending:  # a bounce goes back when its own batch is done, not all before it
-            lending = []
-            for op in self._lending:
-                if self.is_done(op):
+        if self._inflight:  # in any order: a bounce goes back when its own batch is done
+            pending = []
+            for op in self._inflight:
+                if not self.is_done(op):
+                    pending.append(op)
+                elif op.buffer is not None:
                     self._give_back(op)
-                else:
-                    lending.append(op)
-            self._lending = lending
+            self._inflight = pending
         if self.layered and self._unsettled:  # settled once their GPU half has run
             self._unsettled = deque(op for op in self._unsettled
                                     if op.gpu_event is None or not op.gpu_event.query())
@@ -286,8 +283,6 @@ class CudaExecutor:
     def _disk_op(self, op: DiskOp) -> DiskOp:
         self.counters.disk_batches += 1
         self._inflight.append(op)
-        if op.buffer is not None:
-            self._lending.append(op)
         if op.route is FETCH or op.route is SPILL:  # those with a GPU half
             self._unsettled.append(op)
         return op
@@ -381,10 +376,10 @@ class CudaExecutor:
             self._host_wait(op.future)
         for st in self.streams.values():
             st.synchronize()
-        for op in self._lending:
-            self._give_back(op)
+        for op in self._inflight:
+            if op.buffer is not None:
+                self._give_back(op)
         self._inflight.clear()
-        self._lending.clear()
 
     def wait_host(self, events: list[Event]) -> None:
         """The host waits for ``events`` (CUDA events or disk batches), e.g. before
