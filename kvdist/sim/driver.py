@@ -122,7 +122,7 @@ class Simulation:
 
     def _make_tp(self) -> TensorParallel:
         """The model's tensor parallelism: every rank of the job."""
-        return TensorParallel(self.comm)
+        return TensorParallel.of(self.cfg, self.comm)
 
     def _make_scheduler(self) -> Scheduler:
         return Scheduler(self.trace, max_batch=self.w.max_batch, max_prefill_tokens=self.w.max_prefill_tokens,
@@ -143,6 +143,13 @@ class Simulation:
 
     def _before_step(self) -> None:
         """The scheduler keeps its own time: one step of the trace per step."""
+
+    def _stop_request(self) -> int:
+        """This rank's stop request for the step's agreement (``process.encode_stop``)."""
+        return process.encode_stop(self.cache.rank)
+
+    def _stopping(self, stop: int) -> None:
+        """The ranks agreed to stop on ``stop``: the whole job is in this agreement."""
 
     def _look_ahead(self) -> None:
         """After the step's admissions: start reading the disk blocks of the requests
@@ -229,11 +236,14 @@ class Simulation:
         t1 = time.perf_counter()
         calls["block_table"] += t1 - ta
         # One allreduce: the ranks reused alike, and whether any was asked to stop (a
-        # signal): all then stop after this same step.
-        same, stop = self.tp.agree([len(plan.batch), *reused], process.encode_stop(self.tp.rank))
+        # signal, named by its world rank): all then stop after this same step.
+        same, stop = self.tp.agree([len(plan.batch), *reused], self._stop_request(),
+                                   f"step {plan.step:,}'s agreement")
         if not same:
             raise ConsistencyError(f"ranks reused different prefixes at step {plan.step}", [])
         self.stop = process.decode_stop(stop)
+        if self.stop is not None:
+            self._stopping(stop)
         out: list[tuple] = []
         self._on_compute_stream(lambda: out.append(self._forward(plan, table, reused)))
         self.time.sync()  # the step's first tokens are on the host

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from .. import process
 from ..config import CacheConfig
 from .admission import PrefetchGate
 from .ceiling import StepLog
@@ -61,7 +62,7 @@ class ReplicaSimulation(Simulation):
         cache keeps its own group private), split off the job's communicator."""
         group = self.world.mpi.Split(self.cache.replica, self.cache.rank)
         try:
-            return TensorParallel(group)
+            return TensorParallel.of(self.cfg, group)
         finally:
             group.Free()
 
@@ -94,6 +95,16 @@ class ReplicaSimulation(Simulation):
             time.sleep(max(0.0, self.t0 + nxt * step_s - time.monotonic()))
             now = nxt
         self.sched.advance(now)
+
+    def _stop_request(self) -> int:
+        """A signal to any rank of the job stops every replica: the stop requests other
+        replicas posted (``_stopping``) count as this rank's own."""
+        return max([process.encode_stop(self.cache.rank), *self.world.take_notices()])
+
+    def _stopping(self, stop: int) -> None:
+        """This replica stops: tell the others, point to point (no collective spans
+        replicas, R3); they stop at their next step."""
+        self.world.notify_all(stop)
 
     def _after_step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         self.log.record(plan, appends, [r.req.rid for r in done])
@@ -152,7 +163,10 @@ def run_replicas(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
 
     if opts.requests is not None:
         cfg = cfg.replace(workload={"requests": opts.requests})
-    world = TensorParallel(comm)
+    world = TensorParallel.of(cfg, comm)
+    # A replica that stopped on a signal never joins the next world collective: the
+    # others, waiting in it, stop too (the stop request a replica posts ends the wait).
+    world.stop_waiting_on_notice(lambda notices: process.decode_stop(max(notices, default=0)))
     try:
         if world.size <= cfg.distributed.tp_size:
             sim = Simulation(cfg, opts, comm)
