@@ -123,11 +123,10 @@ def exit_now(code: int, wait_s: float = 30.0) -> None:
             done = mpi.COMM_WORLD.Ibarrier()
             while not done.Test() and time.monotonic() < deadline:
                 time.sleep(0.001)
-        if _absent or _orphaned():
-            # MPI_Finalize would wait for a rank that never comes (or for collectives
-            # that never complete): leave without it; the launcher ends that rank once
-            # one rank has left with an error (MPICH's segment: kvdist-launch removes it).
-            time.sleep(0.2)  # mpiexec forwards what the ranks printed before it kills any
+        if _absent:
+            _abort_job(mpi, code)
+        if _orphaned():
+            # MPI_Finalize would wait for collectives that never complete.
             try:
                 ctypes.PyDLL(None).exit(code)
             finally:
@@ -153,6 +152,27 @@ def _leave_together(mpi, deadline: float) -> None:
     while not all(r.Test() for r in recvs) and time.monotonic() < deadline:
         time.sleep(0.001)
     _held.append((sends, recvs, bufs, token))
+
+
+def _abort_job(mpi, code: int) -> None:
+    """End a job in which some ranks are stalled, once every live rank is leaving: only
+    the launcher can end a stopped process, and MPI_Finalize would wait for it. The
+    lowest live rank calls MPI_Abort (mpiexec then kills every rank, and its exit status
+    is ``code``; leaving by exit() instead made it report the killed rank's 9 now and
+    then); its banner is not shown (each rank has said what happened). The others wait
+    to be killed, and leave by themselves should that not come."""
+    world = mpi.COMM_WORLD
+    me = world.Get_rank()
+    if me == min(r for r in range(world.Get_size()) if r not in _absent):
+        time.sleep(0.2)  # mpiexec forwards what the ranks printed before it kills any
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        world.Abort(code)
+    time.sleep(5.0)
+    try:
+        ctypes.PyDLL(None).exit(code)
+    finally:
+        os._exit(code)
 
 
 _held: list = []  # requests of _leave_together (never freed: the process is leaving)

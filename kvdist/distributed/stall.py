@@ -70,7 +70,7 @@ class Pace:
 
     def setting(self) -> str:
         if self.fixed is not None:
-            return "distributed.step_timeout_s"
+            return f"distributed.step_timeout_s: {self.fixed:g} s"
         return (f"distributed.step_timeout_s: auto = max({FLOOR_S:g} s, {FACTOR:g} x the slowest "
                 f"step seen, {self.slowest:.2f} s)")
 
@@ -129,11 +129,12 @@ def ended() -> KVDistError | None:
 
 
 def _end(error: KVDistError, origin: Watch | None) -> KVDistError:
-    """Record ``error`` for the process and tell the peers of every other watch."""
+    """Record ``error`` for the process and tell the peers of every watch (a rank that
+    arrives late learns the verdict rather than starting an exchange of its own)."""
     if not _ended:
         _ended.append(error)
         for w in _watches:
-            if w is not origin:
+            if w is not origin or isinstance(error, RankStalled):
                 w.send_all(_ENDED, (type(error).__name__, str(error), _detail(error)))
     return _ended[0]
 
@@ -175,9 +176,10 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
             w.notices.append(notice)
         time.sleep(0.002)
     missing = sorted(everyone - heard.keys())
-    waited = max([waited, *(s["waited"] for s in heard.values() if s["what"] == what)])
     me = w.peers[w.me].rank
     if missing:
+        # Named by the collective the longest waiter waits in (the first to find it).
+        waited, what = max([(waited, what), *((s["waited"], s["what"]) for s in heard.values())])
         stalled = {w.peers[r].rank: f"{w.peers[r].name()} has not reached {what} for {waited:.0f} s "
                                     "(stopped? SIGSTOP, a debugger, swapping)" for r in missing}
         error: KVDistError = RankStalled(f"{'; '.join(stalled.values())}; seen by rank {me} ({setting})",
