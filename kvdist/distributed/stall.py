@@ -177,6 +177,8 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
         time.sleep(0.002)
     missing = sorted(everyone - heard.keys())
     me = w.peers[w.me].rank
+    if not missing and all(s["what"] == what for s in heard.values()):
+        missing = [w.me]  # every peer waited here before this rank came: it is the late one
     if missing:
         # Named by the collective the longest waiter waits in (the first to find it).
         waited, what = max([(waited, what), *((s["waited"], s["what"]) for s in heard.values())])
