@@ -50,7 +50,8 @@ def _job(tmp_path, np: int, **distributed):
     is routed before the first step: seconds for the usual 100,000)."""
     disk = tmp_path / "disk"
     cfg = tiny_config(tmp_path, disk_dir=disk,
-                      distributed={"consensus_timeout_s": 20, "step_timeout_s": STEP_TIMEOUT_S, **distributed},
+                      distributed={"consensus_timeout_s": 20, "step_timeout_s": STEP_TIMEOUT_S,
+                                   **distributed},
                       workload={"requests": 2000} if distributed.get("tp_size") else {})
     proc = start(["run", "--config", str(cfg), "--quiet", "--out", str(tmp_path / "runs")], np=np)
     return proc, disk

@@ -50,7 +50,8 @@ def test_one_rank_calling_another_collective_is_named_with_both_calls():
                 c.allreduce_min_array(np.arange(5), "the remote tier's agreement (add_sequence)")
             else:
                 c.allgather(b"digest", "cache state digest")
-        calls = {r: "cache state digest" for r in range(last)} | {last: "the remote tier's agreement (add_sequence)"}
+        alone = "the remote tier's agreement (add_sequence)"
+        calls = {r: "cache state digest" for r in range(last)} | {last: alone}
         assert caught.value.calls == calls
         assert f"rank {last} called the remote tier's agreement (add_sequence)" in str(caught.value) or \
             c.rank == last

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..config import CacheConfig
-from ..distributed import comm as dist_comm
+from ...config import CacheConfig
+from ...distributed import comm as dist_comm
 
 __all__ = ["TensorParallel"]
 
