@@ -210,7 +210,7 @@ class MpiComm:
             keep_alive(dup)
             raise
         self.watch = stall.Watch(dup, peers, self.rank)
-        self.pace = stall.Pace(step_timeout_s)
+        self.pace = stall.Pace(step_timeout_s, self.timeout_s)
 
     # -- deadline-bounded completion ------------------------------------------------------
     def _wait(self, req, deadline: float, what: str, keep: tuple) -> None:

@@ -53,22 +53,30 @@ class Peer:
 class Pace:
     """The deadline of a run-time collective (``distributed.step_timeout_s``): ``fixed``
     seconds, or (None, ``auto``) max(FLOOR_S, FACTOR x the slowest interval between two
-    completed collectives, counted from ``start``)."""
+    completed collectives). Until the first collective has completed, ``warm_up_s``
+    (the start-up bound): the ranks reach it after set-up work of their own (a model
+    built, a report's header), not after a step."""
 
-    def __init__(self, fixed: float | None):
+    def __init__(self, fixed: float | None, warm_up_s: float):
         self.fixed = fixed
+        self.warm_up_s = warm_up_s
         self.slowest = 0.0
-        self._last = time.monotonic()
+        self._last: float | None = None  # when the last collective completed
 
     def timeout_s(self) -> float:
+        if self._last is None:
+            return max(self.warm_up_s, self.fixed or FLOOR_S)
         return self.fixed if self.fixed is not None else max(FLOOR_S, FACTOR * self.slowest)
 
     def completed(self) -> None:
         now = time.monotonic()
-        self.slowest = max(self.slowest, now - self._last)
+        if self._last is not None:
+            self.slowest = max(self.slowest, now - self._last)
         self._last = now
 
     def setting(self) -> str:
+        if self._last is None:
+            return f"the first one after start-up: distributed.consensus_timeout_s: {self.warm_up_s:g} s"
         if self.fixed is not None:
             return f"distributed.step_timeout_s: {self.fixed:g} s"
         return (f"distributed.step_timeout_s: auto = max({FLOOR_S:g} s, {FACTOR:g} x the slowest "
