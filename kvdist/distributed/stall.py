@@ -172,8 +172,11 @@ def expired(watch: Watch, what: str, waited: float, setting: str) -> KVDistError
 
 
 def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
-            setting: str = "distributed.step_timeout_s") -> KVDistError:
-    mine = {"rank": w.me, "what": what, "waited": waited}
+            setting: str | None = None) -> KVDistError:
+    """Tell the peers this rank's status, hear theirs for up to GRACE_S, and name the
+    ranks not heard from (``setting``: the bound that passed; a rank answering a peer's
+    report takes the peer's)."""
+    mine = {"rank": w.me, "what": what, "waited": waited, "setting": setting}
     w.send_all(_STATUS, mine)
     end = time.monotonic() + GRACE_S
     everyone = set(range(len(w.peers))) - {w.me}
@@ -189,6 +192,7 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
         missing = [w.me]  # every peer waited here before this rank came: it is the late one
     if missing:
         # Named by the collective the longest waiter waits in (the first to find it).
+        setting = setting or next((s["setting"] for s in heard.values() if s["setting"]), "")
         waited, what = max([(waited, what), *((s["waited"], s["what"]) for s in heard.values())])
         stalled = {w.peers[r].rank: f"{w.peers[r].name()} has not reached {what} for {waited:.0f} s "
                                     "(stopped? SIGSTOP, a debugger, swapping)" for r in missing}
