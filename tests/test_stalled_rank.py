@@ -18,10 +18,10 @@ from .launching import finish, kill_job, rank_pid, start, tiny_config, wait_for_
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
 
-STEP_TIMEOUT_S = 2.0
+STEP_TIMEOUT_S = 3.0
 NAMED = re.compile(r"^kvdist: rank (\d+) \(node (\S+), pid (\d+)\) has not reached (.+) for \d+ s "
                    r"\(stopped\? SIGSTOP, a debugger, swapping\); seen by rank (\d+) \(distributed\."
-                   r"step_timeout_s: 2 s\); caches closed, the job ends$")
+                   r"step_timeout_s: 3 s\); caches closed, the job ends$")
 
 
 def _shm() -> set[str]:
