@@ -101,7 +101,7 @@ class DiskTierConfig(_Section):
     # offload then lands in a slot no disk write is still reading (no host wait).
     demote_ahead: float = Field(default=0.05, ge=0, lt=1)
     # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
-    # a slow disk, e.g. to watch the fetch-or-recompute policy turn it down.
+    # a slow disk, e.g. to watch the onboard-or-recompute policy turn it down.
     max_read_bytes_per_s: Size = 0
 
     @field_validator("path")
@@ -120,7 +120,7 @@ class CacheSection(_Section):
     offload_min_priority: int = Field(default=0, ge=0, le=100)
     # Onboard a host or disk hit only when its expected copy time (bytes / the tier's
     # measured bandwidth) is below the expected time to recompute it (measured prefill
-    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Fetch or recompute".
+    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Onboard or recompute".
     recompute_when_faster: bool = True
     simulate_async: bool = False
     # Copies between the GPU and the host tier go in this many groups of consecutive

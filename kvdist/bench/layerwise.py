@@ -96,8 +96,8 @@ def _run(groups: int, n: int, tokens: int, steps: int, copies: bool) -> dict:
                 "compute_ms": 1e3 * statistics.median(r[0] - r[1] for r in rows),
                 "reused_blocks": rows[-1][2] // tpb, "onboarded": moved["onboard"],
                 "offloaded": moved["offload"],
-                "onboard_gb_per_s": s["fetch_policy"]["host_bytes_per_s"] / 1e9
-                if s["fetch_policy"]["host_bytes_per_s"] else None}
+                "onboard_gb_per_s": s["recompute_policy"]["host_bytes_per_s"] / 1e9
+                if s["recompute_policy"]["host_bytes_per_s"] else None}
     finally:
         cache.close()
 

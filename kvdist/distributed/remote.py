@@ -11,7 +11,7 @@ an ordinary cached block) only when every TP rank of the replica has it whole (R
 stale and late blocks are misses.
 
 Step boundaries are where the replica's ranks agree: one MIN-reduce inside the TP
-group (at ``begin_step``, or at ``end_step`` riding on the fetch policy's) carries the
+group (at ``begin_step``, or at ``end_step`` riding on the recompute policy's) carries the
 directory message counts (R4: all apply the same prefix) and every in-flight block's
 outcome bits (R1). Nothing after start-up is
 collective across replicas (R3); a fetch waits at most ``fetch_timeout_ms``.
@@ -162,7 +162,7 @@ class RemoteTier:
         """Every ``every`` steps: stamp valid what landed in the host tier and tell the
         peers what changed in it (they cannot ask for a block before they hear of it).
         ``extra``: figures the caller MIN-reduces over the TP group at every step (the
-        fetch policy's). When the next ``begin_step`` would agree (blocks in flight, or a
+        recompute policy's). When the next ``begin_step`` would agree (blocks in flight, or a
         directory boundary), the agreement rides on that MIN-reduce now and the agreed
         ``extra`` is returned; otherwise None (the caller reduces its figures itself)."""
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@
 #   4. run --compare on configs/h200.yaml (Llama-3-8B, TP=1): all tiers, GPU tier only,
 #      no reuse, the same trace in real time at that rate;
 #   5. the disk tier throttled to $THROTTLE bytes/s (host tier 4 GiB, so the trace hits the
-#      disk), all tiers vs GPU only: the fetch-or-recompute policy turns the slow disk down.
+#      disk), all tiers vs GPU only: the onboard-or-recompute policy turns the slow disk down.
 # Knobs: STEPS="1 2 3 4 5", RATE (skip the measurement of step 3), THROTTLE (300MB),
 # THROTTLE_REQUESTS (400). Logs and results files under $OUT.
 set -u

@@ -40,7 +40,7 @@ def need_replicas(world: int) -> None:
 def config(transport: str = "auto", timeout_ms: float = 3000, simulate: bool = False,
            gpu: int = 16, host: int = 32, world: int = 4, every: int = 1, policy: bool = True) -> dict:
     """Directory messages every ``every`` steps (1 here: the tests count exact misses,
-    which a directory lagging by steps would change). ``policy``: the fetch policy's
+    which a directory lagging by steps would change). ``policy``: the recompute policy's
     per-step MIN-reduce, which the remote tier's agreement rides on at ``end_step``
     (without it the tier agrees at ``begin_step``)."""
     return make_cfg(

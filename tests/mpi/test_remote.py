@@ -77,7 +77,7 @@ def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport)
 def test_prefetch_lands_before_admission(world, inside_a_step, ride):
     """A prefetch starts the blocks at once inside a step, else right after the next
     begin_step. The next agreement says they landed: that step's end_step when the
-    agreement rides on the fetch policy's per-step MIN-reduce (``ride``), else the next
+    agreement rides on the recompute policy's per-step MIN-reduce (``ride``), else the next
     begin_step."""
     with _open(world, policy=ride) as r:
         r.hold_prompt() if r.replica == HOLDER else None
@@ -375,7 +375,7 @@ def test_a_given_up_blocks_slot_is_freed_once_every_tp_rank_is_done(world, monke
 
 
 def test_end_step_returns_the_figures_the_tp_group_agreed(world):
-    """``end_step`` carries a caller's per-step figures (the fetch policy's) on its
+    """``end_step`` carries a caller's per-step figures (the recompute policy's) on its
     agreement: every TP rank gets the group's MIN, never its own figures."""
     T = tp_size(world.size)
     if T < 2:

@@ -390,7 +390,7 @@ class Simulation:
         keys = ("hit_tokens", "prompt_tokens", "bytes_offloaded", "bytes_onboarded", "bytes_demoted",
                 "blocks_moved", "evictions_by_tier", "transfer_seconds", "bookkeeping_seconds",
                 "host_wait_seconds", "host_wait_read_seconds", "host_waits_on_disk", "compute_wait_seconds",
-                "fetch_policy", "transfer_path", "capacity_blocks", "block_bytes")
+                "recompute_policy", "transfer_path", "capacity_blocks", "block_bytes")
         led, c = self.ledger, self.checks
         t = s["transfer"]  # the CUDA executor's submission counters (absent elsewhere)
         mine = {"stats": {k: s[k] for k in keys} | {"copy_entries": t.get("copy_entries", 0),

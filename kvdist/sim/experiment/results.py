@@ -90,7 +90,7 @@ def assemble(f: RunFacts, everyone: list[dict]) -> dict:
         "bytes_offloaded": _sum(everyone, "bytes_offloaded"),
         "bytes_onboarded": _sum(everyone, "bytes_onboarded"),
         "bytes_demoted": _sum(everyone, "bytes_demoted"),
-        "fetch_policy": first["fetch_policy"],
+        "recompute_policy": first["recompute_policy"],
         "transfer_path": first["transfer_path"],
         "transfer_gb_per_s": moved / seconds_moving / 1e9 if seconds_moving else 0.0,
         "bookkeeping_us_per_step": 1e6 * _sum(everyone, "bookkeeping_seconds") / world / steps,
