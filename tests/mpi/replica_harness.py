@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 import xxhash
 
+from kvdist.distributed.remote_rules import REMOTE_RULES
 from kvdist.testing import IntegrityDriver, Seams, create
 from tests.conftest import make_cfg
 from tests.mpi.job import abort_job
@@ -61,7 +62,7 @@ class Replica:
     or in ``close``'s own, which would wait out ``consensus_timeout_s`` — so the failing
     rank prints the failure and ends the whole job at once."""
 
-    def __init__(self, cfg: dict, rules: frozenset[str] = frozenset({"R1", "R2", "R4"})):
+    def __init__(self, cfg: dict, rules: frozenset[str] = REMOTE_RULES):
         from mpi4py import MPI
 
         self.world = MPI.COMM_WORLD

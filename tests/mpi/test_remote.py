@@ -15,6 +15,7 @@ import warnings
 import pytest
 
 import kvdist
+from kvdist.distributed.remote_rules import REMOTE_RULES
 from tests.mpi.replica_harness import (
     DEVICE,
     FETCHER,
@@ -40,7 +41,7 @@ def world():
     return MPI.COMM_WORLD
 
 
-ALL = frozenset({"R1", "R2", "R4"})
+ALL = REMOTE_RULES  # every rule on: the default of a cache
 
 
 def _open(world, rules: frozenset[str] = ALL, **kw) -> Replica:
