@@ -19,10 +19,12 @@ from kvdist.sim.engine.model import Decoder, Geometry, Segment
 from kvdist.sim.engine.parallel import TensorParallel
 from kvdist.sim.engine.scheduler import Scheduler
 from kvdist.sim.experiment.clock import Latencies
-from kvdist.sim.experiment.driver import CACHE_CALLS, RunOptions, Simulation, run
 from kvdist.sim.experiment.integrity import BlockLedger
+from kvdist.sim.experiment.job import run, solo
 from kvdist.sim.experiment.metrics import MetricsServer, snapshot_from
+from kvdist.sim.experiment.options import RunOptions
 from kvdist.sim.experiment.report import REQUIRED_KEYS
+from kvdist.sim.experiment.timing import CACHE_CALLS
 from kvdist.sim.experiment.workload import Request, Trace, generate
 
 from .conftest import make_cfg
@@ -315,11 +317,11 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
 
 
 def test_no_reuse_replay_proves_the_trace_fits(tmp_path):
-    sim = Simulation(sim_cfg(tmp_path, requests=40), RunOptions(out=None, progress=False))
+    sim = solo(sim_cfg(tmp_path, requests=40), RunOptions(out=None, progress=False))
     try:
         r = sim.run()
         assert r["reused_tokens_gpu_only"] > 0
-        assert sim.shadows.reused()["no reuse"] == 0
+        assert sim.reporter.shadows.reused()["no reuse"] == 0
         assert r["prefill_tokens_saved"]["vs gpu-only"] == sum(r["reused_tokens"].values()) - \
             r["reused_tokens_gpu_only"]
     finally:
@@ -461,3 +463,54 @@ def test_real_time_arrivals_wait_for_the_clock_and_the_previous_turn():
     lat.finish[0] = follow.arrival_s + 1.0  # the previous turn finished after the next one 'arrived'
     lat.admitted(follow)
     assert lat.arrival[follow.rid] == follow.arrival_s + 1.0
+
+
+def _sim_imports() -> dict[str, set[str]]:
+    """Every module of ``kvdist.sim`` and the ``kvdist.sim`` modules it imports (at
+    the top or inside a function; ``TYPE_CHECKING`` imports too), read with ``ast``."""
+    import ast
+
+    root = Path(kvdist.__file__).parent / "sim"
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = ("kvdist", "sim", *path.relative_to(root).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                mod = f"{base}.{node.module}" if node.level and node.module else (node.module or base)
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t.startswith("kvdist.sim."))
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_the_engine_imports_nothing_of_the_experiment():
+    graph = _sim_imports()
+    engine = [m for m in graph if m.startswith("kvdist.sim.engine")]
+    assert len(engine) >= 7, engine
+    wrong = {m: sorted(d for d in graph[m] if d.startswith("kvdist.sim.experiment")) for m in engine}
+    assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def test_no_import_circles_in_the_simulation():
+    graph = _sim_imports()
+    circles = []
+    for start in sorted(graph):  # a path from a module back to itself
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    circles.append(" -> ".join(path + [start]))
+                elif nxt not in seen and nxt > start:  # each circle once, from its least module
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    assert circles == []

@@ -13,7 +13,8 @@ import torch
 import kvdist
 from kvdist.sim.engine.model import Decoder, Geometry
 from kvdist.sim.engine.parallel import TensorParallel
-from kvdist.sim.experiment.driver import RunOptions, run
+from kvdist.sim.experiment.job import run
+from kvdist.sim.experiment.options import RunOptions
 from kvdist.sim.experiment.placement import placements
 from kvdist.sim.experiment.report import REQUIRED_KEYS
 from tests.conftest import make_cfg

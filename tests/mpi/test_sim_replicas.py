@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import kvdist
-from kvdist.sim.experiment.driver import RunOptions, run
+from kvdist.sim.experiment.job import run
+from kvdist.sim.experiment.options import RunOptions
 from kvdist.sim.experiment.report import REQUIRED_KEYS
 from tests.conftest import make_cfg
 from tests.mpi.test_sim import misreport_reuse_on, shared_dir

@@ -24,9 +24,10 @@ from ...config import CacheConfig
 from ...storage.gpu import torch_dtype
 from ..engine.model import Decoder, Geometry, compute_dtype_for
 from ..engine.parallel import TensorParallel
-from .driver import RunOptions, Simulation
+from .job import solo
+from .options import RunOptions
 from .placement import placements
-from .report import new_run_dir, point_latest, write_results
+from .report import publish
 
 _COLD_OFF = {"host": {"bytes": 0}, "disk": {"bytes": 0}}
 CONFIGS: dict[str, dict] = {
@@ -58,9 +59,9 @@ def _warm_up(cfg: CacheConfig, opts: RunOptions, comm, model: Decoder) -> None:
     libraries pick their algorithms and the allocator grows to the step's sizes before
     any configuration's clock runs, so the first one measured pays no start-up."""
     n = min(WARM_UP_REQUESTS, cfg.workload.requests)
-    sim = Simulation(cfg.replace(workload={"requests": n}, **CONFIGS["gpu-only"]),
-                     replace(opts, requests=None, out=None, progress=False), comm, model=model, realtime=True,
-                     label="warm-up")
+    sim = solo(cfg.replace(workload={"requests": n}, **CONFIGS["gpu-only"]),
+               replace(opts, requests=None, out=None, progress=False), comm, model=model, realtime=True,
+               label="warm-up")
     try:
         sim.run()
     finally:
@@ -78,8 +79,8 @@ def run_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
         _warm_up(cfg, opts, comm, model)
         for name in opts.configs:
             over = CONFIGS[name]
-            sim = Simulation(cfg.replace(**over) if over else cfg, opts, comm, model=model, realtime=True,
-                             label=name)
+            sim = solo(cfg.replace(**over) if over else cfg, opts, comm, model=model, realtime=True,
+                       label=name)
             try:
                 runs[name] = sim.run()
             finally:
@@ -156,18 +157,13 @@ def render(results: dict) -> str:
 
 
 def _write(results: dict, opts: RunOptions) -> None:
-    print("\n" + render(results), flush=True)
-    if opts.out is None:
-        return
-    run_dir = new_run_dir(opts.out)
-    results["run_dir"] = str(run_dir)
-    write_results(run_dir, results)
-    try:
-        from .plots import ttft_cdf
+    def plot(run_dir: Path) -> list[str]:
+        try:
+            from .plots import ttft_cdf
 
-        plot = ttft_cdf(run_dir, {name: r["latency"]["ttft_s"] for name, r in results["runs"].items()},
-                        results["request_rate"]).name
-    except ImportError:  # matplotlib is the optional `sim` extra
-        plot = "no plot: matplotlib is not installed"
-    point_latest(run_dir)
-    print(f"results: {run_dir}/results.json (+ {plot}); {Path(opts.out) / 'latest'} points there", flush=True)
+            return [ttft_cdf(run_dir, {name: r["latency"]["ttft_s"] for name, r in results["runs"].items()},
+                             results["request_rate"]).name]
+        except ImportError:  # matplotlib is the optional `sim` extra
+            return ["no plot: matplotlib is not installed"]
+
+    publish(results, opts.out, render, plot)

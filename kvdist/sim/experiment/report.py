@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tabulate import tabulate
@@ -131,3 +132,22 @@ def write_results(run_dir: Path, results: dict) -> Path:
     path = run_dir / "results.json"
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def publish(results: dict, out: str | os.PathLike | None, render: Callable[[dict], str],
+            extras: Callable[[Path], list[str]] | None = None) -> None:
+    """Rank 0's end of every kind of run: ``results.json`` (and what ``extras`` writes
+    next to it, returning the names) in a new ``out/<UTC time>`` that ``out/latest``
+    then points to, and the report ``render`` makes printed. ``out`` None: print only."""
+    names: list[str] = []
+    if out is not None:
+        run_dir = new_run_dir(out)
+        results["run_dir"] = str(run_dir)
+        write_results(run_dir, results)
+        names = extras(run_dir) if extras is not None else []
+        point_latest(run_dir)
+    print("\n" + render(results), flush=True)
+    if out is not None:
+        more = f" (+ {', '.join(names)})" if names else ""
+        print(f"results: {results['run_dir']}/results.json{more}; {Path(out) / 'latest'} points there",
+              flush=True)
