@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -44,11 +45,12 @@ from ...cache import KVCache, create
 from ...config import CacheConfig
 from ...dtypes import torch_dtype
 from ...errors import ConsistencyError, KVDistError
-from ..engine.model import Decoder, Geometry, Segment, compute_dtype_for
+from ..engine.model import Decoder, Geometry, compute_dtype_for
 from ..engine.parallel import TensorParallel
 from ..engine.scheduler import Running, Scheduler, StepPlan
 from .checks import CheckCounts, Verifier
 from .clock import Latencies, StepTime
+from .forward import InFlight, launch, wait
 from .integrity import BlockLedger
 from .metrics import MetricsServer, snapshot_from
 from .options import RunOptions
@@ -74,10 +76,24 @@ class RunParts:
     placement: list[Placement]  # every rank's device
     server: MetricsServer | None = None  # rank 0's metrics endpoint
     look_ahead: bool = True  # prefetch for Scheduler.upcoming (False: the scheduler's gate does)
+    run_ahead: bool = False  # prepare step N+1 while step N's forward pass runs
 
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A step scheduled: its plan, what its prefills reused, its block table."""
+
+    plan: StepPlan
+    reused: list[int]
+    table: torch.Tensor
+    t0: float  # perf_counter at its begin_step
+    t1: float  # ... once its block table was staged
+    appends: list[tuple[int, int]]  # (request id, decoded token) of its decodes
+    overlapped: bool = False  # prepared while the previous step's forward pass ran
 
 
 class Reporter(Protocol[R_co]):
@@ -128,36 +144,38 @@ class Simulation(Generic[R]):
         self.stop: process.Interrupted | None = None  # a signal every rank agreed to stop on
         self._prefetched: set[int] = set()  # requests whose disk blocks were looked ahead to
         self._last_update = 0.0  # of the progress bar's figures
+        compute = self.cache.simulated_compute
+        if parts.run_ahead and compute is not None:  # tables, too, wait on the stream like the passes
+            compute.runs_behind = True
 
     # -- one step: schedule -> run -> postprocess -----------------------------------------------
-    def _step(self) -> list[int]:
+    def _prepare(self, *, wait: bool = True) -> _Prepared | None:
+        """Schedule the next step: ``begin_step``, the plan, the cache calls before the
+        forward pass. None when there is nothing to run (the step is closed; ``wait``:
+        in real time with nothing arrived, sleep until the next arrival first)."""
+        t_idle = time.perf_counter()
         now = self.time.before_step(self.sched)  # rank 0's real time on every rank, or None
         t0 = time.perf_counter()
+        self.times.idle += t0 - t_idle
         self.calls.begin_step()
         plan = self.sched.next_step(now)  # in the step: a prefetch may evict, like add_sequence
         if plan is None or not plan.batch:
-            self._idle(plan)
-            return []
-        reused, table = self._schedule(plan, now or 0.0)
-        self.times.cache_api += time.perf_counter() - t0
-        with self.times.phase("model"):
-            out = self._run(plan, table, reused)
-        done, paused = self._postprocess(plan, table, reused, out)
-        self.latency.busy_s += time.perf_counter() - t0 - paused
-        return [run.req.rid for run in done]
+            self.cache.end_step()
+            if plan is not None:  # every runnable request waits for its prefetch: let the cache work
+                self.sched.complete(plan)
+                os.sched_yield()  # ranks outnumber cores: the holders need the core more
+            elif wait:
+                self.time.sleep_until(self.sched.next_arrival())
+            self.times.idle += time.perf_counter() - t0
+            return None
+        appends = _appends(plan)  # before the plan completes: each decode's token now
+        reused, table = self._schedule(plan, appends, now or 0.0)
+        t1 = time.perf_counter()
+        self.times.cache_api += t1 - t0
+        return _Prepared(plan, reused, table, t0, t1, appends)
 
-    def _idle(self, plan: StepPlan | None) -> None:
-        """Nothing to run: close the step; real time with nothing arrived waits for the
-        next arrival, a step whose every runnable request waits for its prefetch lets
-        the cache work."""
-        self.cache.end_step()
-        if plan is None:
-            self.time.sleep_until(self.sched.next_arrival())
-        else:
-            self.sched.complete(plan)
-            os.sched_yield()  # ranks outnumber cores: the holders need the core more
-
-    def _schedule(self, plan: StepPlan, started: float) -> tuple[list[int], torch.Tensor]:
+    def _schedule(self, plan: StepPlan, appends: list[tuple[int, int]], started: float
+                  ) -> tuple[list[int], torch.Tensor]:
         """The step's cache calls before the forward pass: admissions, look-ahead,
         appends, the block table. Returns the tokens each prefill reused and the table."""
         reused = []
@@ -167,10 +185,10 @@ class Simulation(Generic[R]):
             self.latency.admitted(run.req, started)
         if self.parts.look_ahead:
             self.calls.prefetch(self._next_in_line())
-        self.calls.append_tokens(_appends(plan))
+        self.calls.append_tokens(appends)
         return reused, self.calls.block_table([run.req.rid for run in plan.batch])
 
-    def _next_in_line(self):
+    def _next_in_line(self) -> Iterator[tuple[int, list[int]]]:
         """The requests next in line whose disk blocks start moving into the host tier
         now, so that their admission onboards from host memory instead of making the
         host wait for the disk. Once per request; the list is the scheduler's, alike on
@@ -180,41 +198,90 @@ class Simulation(Generic[R]):
                 self._prefetched.add(req.rid)
                 yield req.rid, req.prompt.tolist()
 
-    def _run(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> tuple:
-        """The ranks agree, then the forward pass; returns (logits, K/V written,
-        segments) once the step's first tokens are on the host."""
-        # One allreduce: the ranks reused alike, and whether any was asked to stop (a
-        # signal): all then stop after this same step.
-        t1 = time.perf_counter()
-        same, stop = self.tp.agree([len(plan.batch), *reused], process.encode_stop(self.tp.rank))
+    def _launch(self, step: _Prepared, *, ahead: bool) -> InFlight:
+        """The ranks agree (one allreduce: they reused alike, and whether any was asked
+        to stop by a signal: all then stop after this same step), then the forward pass
+        is queued (``ahead``: with the digests of its reused blocks behind it)."""
+        same, stop = self.tp.agree([len(step.plan.batch), *step.reused], process.encode_stop(self.tp.rank))
         if not same:
-            raise ConsistencyError(f"ranks reused different prefixes at step {plan.step}", [])
+            raise ConsistencyError(f"ranks reused different prefixes at step {step.plan.step}", [])
         self.stop = process.decode_stop(stop)
-        out: list[tuple] = []
-        self._on_compute_stream(lambda: out.append(self._forward(plan, table, reused)))
-        self.time.sync()  # the step's first tokens are on the host
-        computed = sum(len(r.req.prompt) for r in plan.prefills) - sum(reused)
-        if computed:
-            self.cache.observe_prefill(computed + len(plan.decodes), time.perf_counter() - t1)
-        return out[0]
+        return launch(self.cache, self.model, step.plan, step.table, step.reused, self.verify, digest=ahead)
 
-    def _postprocess(self, plan: StepPlan, table: torch.Tensor, reused: list[int], out: tuple
-                     ) -> tuple[list[Running], float]:
-        """Complete the plan, check what the cache handed back (the clock paused), close
-        the step and release the finished requests. Returns them and the pause."""
-        done = self.sched.complete(plan)
+    def _release(self, done: list[Running]) -> float:
+        """Close the step and release its finished requests; returns the time it took."""
+        t0 = time.perf_counter()
+        self.calls.end_step()
+        self.calls.release([run.req.rid for run in done])
+        took = time.perf_counter() - t0
+        self.times.cache_api += took
+        return took
+
+    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], t_launch: float) -> float:
+        """The step's first tokens are on the host: its figures, then (the clock paused)
+        the checks of what the cache handed back, the ledger's record of what the step
+        wrote, the reporter's record. Returns the pause."""
+        plan, ahead = flight.plan, bool(flight.digests)
+        ready = time.perf_counter()
+        self.times.model += ready - t_launch
+        busy = flight.device_seconds()
+        self.times.gpu_busy += busy
+        computed = sum(len(r.req.prompt) for r in plan.prefills) - sum(flight.reused)
+        if computed:  # run ahead, the host's wait also covers the next step's preparation
+            self.cache.observe_prefill(computed + len(plan.decodes), busy if ahead else ready - t_launch)
         self._emitted(plan, done)
         with self.time.paused():  # verification costs no configuration any latency
             t_check = time.perf_counter()
-            self._on_compute_stream(lambda: self._check(plan, table, reused, out))
+            if ahead:  # the digests ran behind the pass; the rest reads no pool
+                self._check(flight)
+            else:
+                self._on_compute_stream(lambda: self._check(flight))
             paused = time.perf_counter() - t_check
-        with self.times.phase("cache_api"):
-            self.calls.end_step()
-            self.calls.release([run.req.rid for run in done])
         for run in done:
             self.ledger.release(run.req.rid)
-        self.reporter.step(plan, _appends(plan), done)
-        return done, paused
+        self.reporter.step(plan, step.appends, done)
+        return paused
+
+    def _step(self) -> list[int]:
+        """One step, serial: the host prepares it, then waits for its forward pass."""
+        step = self._prepare()
+        if step is None:
+            return []
+        t_launch = time.perf_counter()
+        flight = self._launch(step, ahead=False)
+        wait(self.cache, flight, self.time.sync)  # the step's first tokens are on the host
+        done = self.sched.complete(step.plan)
+        paused = self._finish(flight, step, done, t_launch)
+        released = self._release(done)
+        end = time.perf_counter()
+        # The GPU waits for all of the step's cache work.
+        self.times.count(end - step.t0 - paused, step.t1 - step.t0 + released)
+        self.latency.busy_s += end - step.t0 - paused
+        return [run.req.rid for run in done]
+
+    def _step_ahead(self, step: _Prepared) -> tuple[list[int], _Prepared | None]:
+        """Step N run ahead: its forward pass launched, the host prepares step N+1 —
+        releases of N's finished requests, admissions and prefetches, appends,
+        ``block_table`` staged under S3 — and only then waits for N's first tokens.
+        Decode tokens come from the trace, so N+1's appends need nothing N computes.
+        Returns N's finished requests and step N+1 (None: none prepared)."""
+        t_launch = time.perf_counter()
+        flight = self._launch(step, ahead=True)
+        done = self.sched.complete(step.plan)
+        self._release(done)
+        nxt = None if self.sched.done() else self._prepare(wait=False)
+        prepared_at = time.perf_counter()
+        wait(self.cache, flight)
+        paused = self._finish(flight, step, done, t_launch)
+        end = time.perf_counter()
+        own = 0.0 if step.overlapped else step.t1 - step.t0  # its own preparation, if nothing ran then
+        # The GPU waited for the host's cache work after its pass ended (on CPU: all of it).
+        waited = max(0.0, prepared_at - max(flight.launched_at, flight.device_end()))
+        self.times.count(end - t_launch - paused + own, own + waited)
+        self.latency.busy_s += end - t_launch - paused + own
+        if nxt is not None:
+            nxt.overlapped = True
+        return [run.req.rid for run in done], nxt
 
     def _emitted(self, plan: StepPlan, done: list[Running]) -> None:
         """Real time: every prefill of the step produced its first token now, ``done``
@@ -227,22 +294,18 @@ class Simulation(Generic[R]):
         for run in done:
             lat.finish[run.req.rid] = now
 
-    def _forward(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> tuple:
-        """The step's model work through the cache: (logits, K/V written, segments)."""
-        segs = [Segment(i, n, run.req.prompt[n:]) for i, (run, n) in enumerate(zip(plan.prefills, reused))]
-        for j, run in enumerate(plan.decodes):
-            pos, g = len(run.req.prompt) + run.generated - 1, run.generated
-            segs.append(Segment(len(plan.prefills) + j, pos, run.req.output[g - 1: g]))
-        logits, written = self.model.forward_cached(self.cache, table, segs)
-        return logits, written, segs
-
-    def _check(self, plan: StepPlan, table: torch.Tensor, reused: list[int], out: tuple) -> None:
+    def _check(self, flight: InFlight) -> None:
         """The reused blocks still hold what attention read (nothing writes them while
-        their sequence holds them), so they are digested after the forward pass: a
-        check before it would make every layer wait for every onboarded block. Then the
-        ledger records what this step wrote (reusable from the next step on)."""
-        logits, written, segs = out
-        self.verify.reused_blocks(plan, table, reused)
+        their sequence holds them), so they are digested after the forward pass (run
+        ahead: queued right behind it): a check before it would make every layer wait
+        for every onboarded block. Then the ledger records what this step wrote
+        (reusable from the next step on)."""
+        plan, table, reused = flight.plan, flight.table, flight.reused
+        logits, written, segs = flight.result
+        if flight.digests:
+            self.verify.check_queued(plan, flight.digests[0])
+        else:
+            self.verify.reused_blocks(plan, table, reused)
         self.verify.logits(plan, reused, logits)
         base, offset = len(plan.prefills), 0
         for k, (seg, run) in enumerate(zip(segs, plan.batch)):
@@ -272,10 +335,16 @@ class Simulation(Generic[R]):
                    unit="req", desc=self.reporter.label, dynamic_ncols=True, file=sys.stderr,
                    mininterval=0.2 if sys.stderr.isatty() else 5.0)
         self.time.start()
+        ahead: _Prepared | None = None
         try:
-            while not self.sched.done():
+            while ahead is not None or not self.sched.done():
                 try:
-                    done = self._step()
+                    if not self.parts.run_ahead:
+                        done = self._step()
+                    else:
+                        step = ahead if ahead is not None else self._prepare()
+                        ahead = None
+                        done, ahead = self._step_ahead(step) if step is not None else ([], None)
                 except ConsistencyError as e:  # every rank learns it at the same collective
                     self.checks.consistency_error = f"step {self.sched.step}: {e}"
                     break

@@ -54,7 +54,8 @@ def solo(cfg: CacheConfig, opts: RunOptions, comm=None, *, model: Decoder | None
                               gpu_blocks=gpu, tokens_per_block=cache.layout.tokens_per_block)
             placement, model = engine(cfg, cache, tp, comm, model)
             clock = RealTime(cache.device, tp) if realtime else StepTime(cache.device)
-            parts = RunParts(cache, tp, trace, sched, clock, model, placement, server)
+            ahead = w.run_ahead if w.run_ahead is not None else cache.device.type == "cuda"
+            parts = RunParts(cache, tp, trace, sched, clock, model, placement, server, run_ahead=ahead)
             reporter = JobReporter(cfg, opts, parts, label=label)
         except BaseException:
             tp.free()

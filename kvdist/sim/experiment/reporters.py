@@ -71,7 +71,8 @@ class JobReporter:
                 shadow=self.shadows.reused() if self.shadows else None,
                 working_set=self.working_set, tokens_per_block=cache.layout.tokens_per_block,
                 tolerance=sim.tolerance, checks=sim.checks, seconds=time.perf_counter() - sim.times.started,
-                config=self.cfg.normalized(), latency=sim.latency.summary() if sim.realtime else None)
+                config=self.cfg.normalized(), latency=sim.latency.summary() if sim.realtime else None,
+                run_ahead=sim.parts.run_ahead)
             results = assemble(facts, everyone)
             if self.name is None:
                 self._write(results)

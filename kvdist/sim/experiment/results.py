@@ -12,7 +12,7 @@ from .checks import CheckCounts
 from .integrity import BlockLedger
 from .timing import StepTimes
 
-__all__ = ["RankFigures", "RunFacts", "STAT_KEYS", "assemble", "ledger_totals"]
+__all__ = ["RankFigures", "RunFacts", "STAT_KEYS", "assemble", "critical_path", "ledger_totals"]
 
 # The cache's statistics a rank reports (``KVCache.stats()``; the remote tier's two
 # are 0 without one).
@@ -42,6 +42,9 @@ class RankFigures:
     model_s: float
     calls_s: dict[str, float] = field(default_factory=dict)
     tolerance: float = 0.0
+    # The critical path: steps that ran a batch, their wall time (less the checks), the
+    # device's time in their forward passes, the cache's host time the device waited for.
+    critical: tuple[int, float, float, float] = (0, 0.0, 0.0, 0.0)
 
     @classmethod
     def collect(cls, cache: KVCache, *, requests: int, finished: int, steps: int, ledger: BlockLedger,
@@ -57,7 +60,8 @@ class RankFigures:
                    logits=(checks.logits_checked, checks.logits_failed, checks.logits_max_abs_diff),
                    consistency=(checks.consistency_checks, checks.consistency_error),
                    cache_api_s=times.cache_api, model_s=times.model, calls_s=dict(times.calls),
-                   tolerance=tolerance)
+                   tolerance=tolerance,
+                   critical=(times.steps_run, times.step_wall, times.gpu_busy, times.cache_critical))
 
 
 def ledger_totals(figures: list[RankFigures]) -> dict:
@@ -91,6 +95,7 @@ class RunFacts:
     seconds: float
     config: dict
     latency: dict | None  # Latencies.summary() of a real-time run
+    run_ahead: bool = False  # the host prepared step N+1 while step N's forward pass ran
 
 
 def _sum(everyone: list[RankFigures], key: str) -> float:
@@ -118,6 +123,26 @@ def _integrity(f: RunFacts, everyone: list[RankFigures]) -> dict:
         "logits_max_abs_diff": max(x[2] for x in logits),
         "logits_tolerance": f.tolerance,
         "consistency": {"checks": f.checks.consistency_checks, "error": f.checks.consistency_error},
+    }
+
+
+def critical_path(everyone: list[RankFigures], run_ahead: bool, device: str) -> dict:
+    """Per step that ran a batch, averaged over the ranks: its wall time (less the
+    checks' pause), the GPU's busy time in the forward pass (CUDA events around it; on
+    CPU the host's time in it: ``timers``), the GPU's idle time and fraction, and the
+    cache's host time the GPU waited for (serially all of it; running ahead, what the
+    next step's preparation took past the end of the pass)."""
+    steps, wall, busy, cache = (sum(e.critical[i] for e in everyone) for i in range(4))
+    per = max(steps, 1)
+    return {
+        "run_ahead": run_ahead,
+        "timers": "cuda events" if device.startswith("cuda") else "host timers",
+        "steps": steps // max(len(everyone), 1),
+        "step_ms": 1e3 * wall / per,
+        "gpu_busy_ms": 1e3 * busy / per,
+        "gpu_idle_ms": 1e3 * max(0.0, wall - busy) / per,
+        "gpu_idle_fraction": max(0.0, wall - busy) / wall if wall > 0 else 0.0,
+        "cache_on_critical_path_us": 1e6 * cache / per,
     }
 
 
@@ -171,6 +196,7 @@ def assemble(f: RunFacts, everyone: list[RankFigures]) -> dict:
         "copy_submit_us_per_step": _per_step_by_key(everyone, "submit_seconds", world * steps),
         "copy_entries_per_step": _sum(everyone, "copy_entries") / world / steps,
         "model_ms_per_step": 1e3 * sum(e.model_s for e in everyone) / world / steps,
+        "critical_path": critical_path(everyone, f.run_ahead, f.placement[0]["device"]),
         "integrity_mismatches": mismatches,
         "integrity": integrity,
         "steps": f.steps,

@@ -32,6 +32,21 @@ class StepTimes:
     model: float = 0.0  # the forward pass until the step's first tokens are on the host
     calls: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CACHE_CALLS, 0.0))
     started: float = field(default_factory=time.perf_counter)
+    idle: float = 0.0  # waiting for arrivals, closing steps that ran nothing
+    # The critical path (steps that ran a batch): their wall time less the checks' pause,
+    # the device's time in their forward passes (CUDA events; on CPU the host's), and the
+    # cache's host time the device waited for.
+    steps_run: int = 0
+    step_wall: float = 0.0
+    gpu_busy: float = 0.0
+    cache_critical: float = 0.0
+
+    def count(self, wall: float, cache_critical: float) -> None:
+        """A step that ran a batch took ``wall`` seconds, ``cache_critical`` of them the
+        cache's with the device waiting."""
+        self.steps_run += 1
+        self.step_wall += wall
+        self.cache_critical += min(cache_critical, wall)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
