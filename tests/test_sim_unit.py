@@ -514,3 +514,26 @@ def test_no_import_circles_in_the_simulation():
                     seen.add(nxt)
                     stack.append((nxt, path + [nxt]))
     assert circles == []
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "run-ahead"])
+def test_every_step_reports_the_tokens_its_decodes_appended(tmp_path, monkeypatch, ahead):
+    """A request's decodes append its reply's tokens in order, all but the last (whose
+    K/V no step writes), and the reporter (the replays, a replica's step log) records
+    exactly those: taken before the scheduler moves the plan's requests on."""
+    from kvdist.sim.experiment.reporters import JobReporter
+
+    seen: dict[int, list[int]] = {}
+    real_step = JobReporter.step
+
+    def step(self, plan, appends, done):
+        for rid, token in appends:
+            seen.setdefault(rid, []).append(token)
+        real_step(self, plan, appends, done)
+
+    monkeypatch.setattr(JobReporter, "step", step)
+    cfg = sim_cfg(tmp_path, requests=40, run_ahead=ahead)
+    r = run(cfg, RunOptions(out=None, progress=False))
+    assert r["ok"]
+    trace = generate(cfg.workload)
+    assert seen == {q.rid: q.output[:-1].tolist() for q in trace.requests if len(q.output) > 1}
