@@ -537,3 +537,24 @@ def test_every_step_reports_the_tokens_its_decodes_appended(tmp_path, monkeypatc
     assert r["ok"]
     trace = generate(cfg.workload)
     assert seen == {q.rid: q.output[:-1].tolist() for q in trace.requests if len(q.output) > 1}
+
+
+def test_compare_runs_the_serial_loop_next_to_all_tiers_where_that_runs_ahead(tmp_path):
+    from kvdist.sim.experiment.compare import configurations, render, run_compare
+
+    cfg = sim_cfg(tmp_path, requests=20, request_rate=200.0)
+    names = ("all-tiers", "gpu-only", "no-reuse")
+    assert configurations(cfg, names, torch.device("cpu")) == list(names)
+    assert configurations(cfg, names, torch.device("cuda")) == ["all-tiers", "all-tiers-serial", "gpu-only",
+                                                                 "no-reuse"]
+    assert configurations(cfg.replace(workload={"run_ahead": False}), names, torch.device("cuda")) == list(names)
+    ahead = cfg.replace(workload={"run_ahead": True})
+    r = run_compare(ahead, RunOptions(out=None, progress=False, configs=("all-tiers",)))
+    assert r["ok"] and list(r["runs"]) == ["all-tiers", "all-tiers-serial"]
+    on, off = r["runs"]["all-tiers"], r["runs"]["all-tiers-serial"]
+    assert on["critical_path"]["run_ahead"] and not off["critical_path"]["run_ahead"]
+    assert on["critical_path"]["timers"] == off["critical_path"]["timers"] == "host timers"
+    assert on["requests"] == off["requests"] == 20
+    q = r["run_ahead_vs_serial"]
+    assert q["ttft_p50"] == on["latency"]["ttft_ms"]["p50"] / off["latency"]["ttft_ms"]["p50"]
+    assert "all tiers running ahead vs serial" in render(r)

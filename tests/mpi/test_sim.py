@@ -55,11 +55,14 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     monkeypatch.setattr(kvdist.sim.experiment.driver, "create", lying_create)
 
 
-def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory):
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "run-ahead"])
+def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory, ahead):
+    """Under simulated streams; running ahead, every step's table and copies are queued
+    while the previous step's forward pass still is."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    base = Path(shared_dir(tmp_path_factory, "sim"))
+    base = Path(shared_dir(tmp_path_factory, f"sim-{ahead}"))
     cfg = kvdist.load_config(make_cfg(
         model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
@@ -69,7 +72,7 @@ def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factor
         workload={"requests": 100, "seed": 5, "system_prompts": 3, "system_prompt_tokens": 40,
                   "conversations": 10, "turns": [2, 5], "user_tokens": [3, 20], "output_tokens": [2, 9],
                   "arrival_rate": 1.5, "max_batch": 6, "max_prefill_tokens": 200, "vocab_size": 97,
-                  "hidden": 32, "verify_logits_every": 3}))
+                  "hidden": 32, "verify_logits_every": 3, "run_ahead": ahead}))
     r = run(cfg, RunOptions(out=str(base / "runs"), progress=False))
     assert r["ok"], r["integrity"]
     assert r["world_size"] == world.size and r["requests"] == 100

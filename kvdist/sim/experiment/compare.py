@@ -32,6 +32,8 @@ from .report import publish
 _COLD_OFF = {"host": {"bytes": 0}, "disk": {"bytes": 0}}
 CONFIGS: dict[str, dict] = {
     "all-tiers": {},
+    # The serial loop for comparison: run next to all-tiers where that runs ahead.
+    "all-tiers-serial": {"workload": {"run_ahead": False}},
     "gpu+host": {"cache": {"disk": {"bytes": 0}}},  # not compared by default: isolates the disk tier
     "gpu-only": {"cache": _COLD_OFF},
     "no-reuse": {"cache": {**_COLD_OFF, "enable_reuse": False}},
@@ -77,7 +79,7 @@ def run_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
     try:
         model = build_model(cfg, tp, comm)
         _warm_up(cfg, opts, comm, model)
-        for name in opts.configs:
+        for name in configurations(cfg, opts.configs, model.device):
             over = CONFIGS[name]
             sim = solo(cfg.replace(**over) if over else cfg, opts, comm, model=model, realtime=True,
                        label=name)
@@ -93,6 +95,16 @@ def run_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
     if tp.rank == 0:
         _write(results, opts)
     return results
+
+
+def configurations(cfg: CacheConfig, names: tuple[str, ...], device: torch.device) -> list[str]:
+    """``names`` in order, with the serial loop next to all tiers where all tiers runs
+    ahead (``workload.run_ahead``; by default on CUDA)."""
+    out = list(names)
+    ahead = cfg.workload.run_ahead if cfg.workload.run_ahead is not None else device.type == "cuda"
+    if ahead and "all-tiers" in out and "all-tiers-serial" not in out:
+        out.insert(out.index("all-tiers") + 1, "all-tiers-serial")
+    return out
 
 
 def _one_line(name: str, r: dict) -> str:
@@ -120,6 +132,12 @@ def _assemble(cfg: CacheConfig, runs: dict[str, dict]) -> dict:
                                  "integrity_mismatches", "bytes_offloaded", "bytes_onboarded", "steps",
                                  "seconds")},
     }
+    if "all-tiers" in lat and "all-tiers-serial" in lat:
+        ahead, serial = lat["all-tiers"], lat["all-tiers-serial"]
+        out["run_ahead_vs_serial"] = {
+            "ttft_p50": _ratio(ahead["ttft_ms"]["p50"], serial["ttft_ms"]["p50"]),
+            "prompt_tokens_per_s": _ratio(ahead["prompt_tokens_per_s"], serial["prompt_tokens_per_s"]),
+        }
     if "all-tiers" in lat and "gpu-only" in lat:
         tiers, gpu = lat["all-tiers"], lat["gpu-only"]
         out["all_tiers_vs_gpu_only"] = {
@@ -142,18 +160,35 @@ def render(results: dict) -> str:
                      f"{lat['tpot_ms']['mean']:.1f}", f"{lat['requests_per_s']:.2f}",
                      f"{lat['prompt_tokens_per_s']:,.0f}", f"{100 * (prompt - computed) / prompt:.1f}%",
                      f"{r['model_ms_per_step']:.1f}", f"{r['cache_api_us_per_step'] / 1e3:.1f}",
-                     f"{r['compute_wait_us_per_step'] / 1e3:.2f}",
+                     f"{r['compute_wait_us_per_step'] / 1e3:.2f}", *_critical(r["critical_path"]),
                      f"{r['integrity_mismatches']}/{r['integrity']['logits_failed']}"])
     head = ["configuration", "TTFT p50 ms", "p90", "p99", "queue p50/p99", "TPOT ms", "req/s", "prompt tok/s",
-            "reused", "model ms/step", "cache ms/step", "copy wait ms/step", "bad blocks/logits"]
+            "reused", "model ms/step", "cache ms/step", "copy wait ms/step", "GPU idle/step",
+            "cache on path ms", "bad blocks/logits"]
     lines = [f"open loop at {results['request_rate']:g} requests/s, the same trace for every configuration",
              tabulate(rows, headers=head, colalign=("left",) + ("right",) * (len(head) - 1))]
+    timers = {r["critical_path"]["timers"] for r in results["runs"].values()}
+    lines.append("GPU idle/step: the step's wall time less the GPU's in its forward pass; cache on path: the "
+                 "cache's host time the GPU waited for (" + ", ".join(sorted(timers)) + "); a run that runs "
+                 "ahead is marked >")
+    q = results.get("run_ahead_vs_serial")
+    if q is not None:
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        lines.append(f"all tiers running ahead vs serial: TTFT p50 {fmt(q['ttft_p50'])}; prompt tokens per "
+                     f"second {fmt(q['prompt_tokens_per_s'])}")
     q = results.get("all_tiers_vs_gpu_only")
     if q is not None:
         fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         lines.append(f"all tiers vs gpu only: TTFT p50 {fmt(q['ttft_p50'])}, p90 {fmt(q['ttft_p90'])}, "
                      f"p99 {fmt(q['ttft_p99'])}; prompt tokens per second {fmt(q['prompt_tokens_per_s'])}")
     return "\n".join(lines)
+
+
+def _critical(c: dict) -> list[str]:
+    """The critical path's two columns (GPU idle per step, cache on the path)."""
+    mark = ">" if c["run_ahead"] else ""
+    return [f"{mark}{c['gpu_idle_ms']:.1f} ms ({100 * c['gpu_idle_fraction']:.0f}%)",
+            f"{c['cache_on_critical_path_us'] / 1e3:.2f}"]
 
 
 def _write(results: dict, opts: RunOptions) -> None:

@@ -73,6 +73,13 @@ def render(r: dict) -> str:
     out.append(f"per step: cache bookkeeping {r['bookkeeping_us_per_step']:.0f} µs, all cache calls "
                f"{r['cache_api_us_per_step']:.0f} µs (of which waiting for disk work "
                f"{r.get('host_wait_us_per_step', 0.0):.0f} µs), model {r['model_ms_per_step']:.1f} ms")
+    c = r.get("critical_path")
+    if c is not None:
+        how = "running ahead" if c["run_ahead"] else "serial"
+        out.append(f"critical path per step ({how}, {c['timers']}): {c['step_ms']:.1f} ms, GPU busy "
+                   f"{c['gpu_busy_ms']:.1f} ms, idle {c['gpu_idle_ms']:.1f} ms "
+                   f"({100 * c['gpu_idle_fraction']:.0f}%), cache on the critical path "
+                   f"{c['cache_on_critical_path_us']:.0f} µs")
     calls = r.get("cache_calls_us_per_step", {})
     out.append("cache calls per step: " + ", ".join(f"{name} {us:.0f} µs" for name, us in calls.items()))
     if r.get("copy_entries_per_step"):  # the CUDA executor
