@@ -547,7 +547,8 @@ def test_compare_runs_the_serial_loop_next_to_all_tiers_where_that_runs_ahead(tm
     assert configurations(cfg, names, torch.device("cpu")) == list(names)
     assert configurations(cfg, names, torch.device("cuda")) == ["all-tiers", "all-tiers-serial", "gpu-only",
                                                                  "no-reuse"]
-    assert configurations(cfg.replace(workload={"run_ahead": False}), names, torch.device("cuda")) == list(names)
+    serial = cfg.replace(workload={"run_ahead": False})
+    assert configurations(serial, names, torch.device("cuda")) == list(names)
     ahead = cfg.replace(workload={"run_ahead": True})
     r = run_compare(ahead, RunOptions(out=None, progress=False, configs=("all-tiers",)))
     assert r["ok"] and list(r["runs"]) == ["all-tiers", "all-tiers-serial"]
