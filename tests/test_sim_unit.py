@@ -280,7 +280,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     """Rule off: the cache hands back a reused block whose K was overwritten. The
     digest check and the logits check must both report it, and the run fails."""
     corrupted, reused_now = [], {}
-    real_create = kvdist.sim.experiment.driver.create
+    real_create = kvdist.sim.experiment.parts.create
 
     class CorruptingCache:
         """The cache, but a reused block's K is overwritten once it is handed back."""
@@ -307,7 +307,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     def corrupting_create(cfg, comm=None):
         return CorruptingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", corrupting_create)
+    monkeypatch.setattr(kvdist.sim.experiment.parts, "create", corrupting_create)
     r = run(sim_cfg(tmp_path), RunOptions(out=None, progress=False))
     assert corrupted
     assert not r["ok"]

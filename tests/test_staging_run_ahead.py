@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvdist
-import kvdist.sim.experiment.driver as driver
+import kvdist.sim.experiment.parts as parts
 import kvdist.testing
 from kvdist.errors import KVDistError
 from kvdist.sim.experiment.job import solo
@@ -37,7 +37,7 @@ def _run(tmp_path, monkeypatch, *, ahead: bool, seams: Seams | None = None, **ca
     if cache:
         cfg = cfg.replace(cache=cache)
     if seams is not None:
-        monkeypatch.setattr(driver, "create", lambda c, comm=None: kvdist.testing.create(c, seams, comm))
+        monkeypatch.setattr(parts, "create", lambda c, comm=None: kvdist.testing.create(c, seams, comm))
     sim = solo(cfg, RunOptions(out=None, progress=False))
     try:
         r = sim.run()
@@ -102,7 +102,7 @@ def test_cuda_running_ahead_with_the_staging_ring_at_its_minimum_finds_no_bad_bl
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     seams = Seams(staging_slots=1)
-    monkeypatch.setattr(driver, "create", lambda c, comm=None: kvdist.testing.create(c, seams, comm))
+    monkeypatch.setattr(parts, "create", lambda c, comm=None: kvdist.testing.create(c, seams, comm))
     results = {}
     for ahead in (False, True):
         sim = solo(_cuda_cfg(tmp_path / str(ahead), run_ahead=ahead), RunOptions(out=None, progress=False))

@@ -34,7 +34,7 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     every reused prefix (as a diverged cache would)."""
     from mpi4py import MPI
 
-    real_create = kvdist.sim.experiment.driver.create
+    real_create = kvdist.sim.experiment.parts.create
 
     class LyingCache:
         """The cache, but ``rank`` reports 4 more reused tokens than it reused."""
@@ -52,7 +52,7 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     def lying_create(cfg, comm=None):
         return LyingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", lying_create)
+    monkeypatch.setattr(kvdist.sim.experiment.parts, "create", lying_create)
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["serial", "run-ahead"])

@@ -2,7 +2,7 @@
 trace, drives its own cache through the public API, runs its heads of the model
 against the cache, and verifies what the cache hands back.
 
-``Simulation`` is composed of its parts (``RunParts``: the cache, the model's tensor
+``Simulation`` is composed of its parts (``parts.RunParts``: the cache, the model's tensor
 parallelism, the trace, the scheduler, the clock, the model) and a ``Reporter``; the
 main job (``solo``) and a replica of several (``replica_job``) build different parts
 around the same loop. A step is schedule → run → postprocess (nano-vllm's shape):
@@ -41,46 +41,19 @@ import torch
 from tqdm import tqdm
 
 from ... import process
-from ...cache import KVCache, create
 from ...config import CacheConfig
-from ...dtypes import torch_dtype
-from ...errors import ConsistencyError, KVDistError
-from ..engine.model import Decoder, Geometry, compute_dtype_for
-from ..engine.parallel import TensorParallel
-from ..engine.scheduler import Running, Scheduler, StepPlan
+from ...errors import ConsistencyError
+from ..engine.scheduler import Running, StepPlan
 from .checks import CheckCounts, Verifier
-from .clock import Latencies, StepTime
+from .clock import Latencies
 from .forward import InFlight, launch, wait
 from .integrity import BlockLedger
-from .metrics import MetricsServer, snapshot_from
+from .metrics import snapshot_from
 from .options import RunOptions
-from .placement import Placement, placements
-from .preflight import StartupFailed, preflight
+from .parts import RunParts, close_parts
 from .timing import CACHE_CALLS, StepTimes, TimedCache
-from .workload import Trace
 
-__all__ = ["CACHE_CALLS", "Reporter", "RunParts", "Simulation", "StartupFailed", "close_parts", "engine",
-           "open_cache"]
-
-
-@dataclass(slots=True)
-class RunParts:
-    """What one run is made of, built before it starts (and closed by it)."""
-
-    cache: KVCache
-    tp: TensorParallel  # the model's communicator
-    trace: Trace  # the requests this rank's scheduler serves
-    sched: Scheduler
-    clock: StepTime  # StepTime, RealTime or WallSteps
-    model: Decoder
-    placement: list[Placement]  # every rank's device
-    server: MetricsServer | None = None  # rank 0's metrics endpoint
-    look_ahead: bool = True  # prefetch for Scheduler.upcoming (False: the scheduler's gate does)
-    run_ahead: bool = False  # prepare step N+1 while step N's forward pass runs
-
-
-R = TypeVar("R")
-R_co = TypeVar("R_co", covariant=True)
+__all__ = ["CACHE_CALLS", "Reporter", "Simulation"]
 
 
 @dataclass(slots=True)
@@ -94,6 +67,10 @@ class _Prepared:
     t1: float  # ... once its block table was staged
     appends: list[tuple[int, int]]  # (request id, decoded token) of its decodes
     overlapped: bool = False  # prepared while the previous step's forward pass ran
+
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 
 class Reporter(Protocol[R_co]):
@@ -382,55 +359,3 @@ def _appends(plan: StepPlan) -> list[tuple[int, int]]:
     """The decode tokens the step appends: each decode's previous reply token (the
     trace's, so no placeholder token is ever needed)."""
     return [(run.req.rid, int(run.req.output[run.generated - 1])) for run in plan.decodes]
-
-
-def close_parts(parts: RunParts, reporter: Reporter | None = None) -> None:
-    """Free a run's parts (collective: the cache's and the model's communicators)."""
-    try:
-        if parts.server is not None:
-            parts.server.close()
-            parts.server = None
-        if reporter is not None:
-            reporter.close()
-    finally:
-        try:
-            parts.cache.close()
-        finally:
-            parts.tp.free()
-
-
-# -- building a run --------------------------------------------------------------------------------
-def open_cache(cfg: CacheConfig, opts: RunOptions, comm) -> tuple[MetricsServer | None, KVCache]:
-    """The checks before anything is built, then the cache (collective): a failure is
-    ``StartupFailed``, with nothing left open."""
-    server = preflight(comm, opts.out, opts.metrics_port, opts.metrics_host)
-    try:
-        return server, create(cfg, comm=comm)
-    except BaseException as e:
-        if server is not None:
-            server.close()
-        if isinstance(e, KVDistError):
-            raise StartupFailed(e) from e
-        raise
-
-
-def engine(cfg: CacheConfig, cache: KVCache, tp: TensorParallel, comm, model: Decoder | None
-           ) -> tuple[list[Placement], Decoder]:
-    """Every rank's device (collective) and this rank's model (``model``: one built
-    already, which ``compare`` shares between configurations)."""
-    me_rank, placement = placements(cfg.cache.device, comm)
-    me = placement[me_rank]
-    assert me.device == str(cache.device), f"placement {me.device} but the cache is on {cache.device}"
-    # On CPU the tiny model's matmuls are too small to gain from intra-op threads, and
-    # threads of ranks sharing cores spin against each other (15x slower seen).
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(1 if cache.device.type == "cpu" else max(1, cores // me.local_size))
-    w, layout = cfg.workload, cache.layout
-    if model is None:
-        model = Decoder(Geometry.from_config(cfg), seed=w.seed, tp=tp, device=cache.device,
-                        kv_dtype=torch_dtype(layout.dtype), tokens_per_block=layout.tokens_per_block,
-                        compute_dtype=compute_dtype_for(w.compute_dtype, cache.device))
-        if w.cuda_graphs and model.can_capture():
-            model.capture_graphs()
-    assert model.device == cache.device, f"model on {model.device}, cache on {cache.device}"
-    return placement, model

@@ -13,8 +13,9 @@ from ..engine.model import Decoder
 from ..engine.parallel import TensorParallel
 from ..engine.scheduler import Scheduler
 from .clock import RealTime, StepTime
-from .driver import RunParts, Simulation, close_parts, engine, open_cache
+from .driver import Simulation
 from .options import RunOptions
+from .parts import RunParts, close_parts, engine, open_cache
 from .replica_job import ReplicaFigures, phases, replica
 from .replica_report import assemble, report
 from .reporters import JobReporter

@@ -26,8 +26,9 @@ from ..engine.scheduler import Running, Scheduler, StepPlan
 from .admission import PrefetchGate
 from .ceiling import StepLog
 from .clock import WallSteps
-from .driver import RunParts, Simulation, close_parts, engine, open_cache
+from .driver import Simulation
 from .options import RunOptions
+from .parts import RunParts, close_parts, engine, open_cache
 from .reporters import describe
 from .results import RankFigures
 from .router import route, split

@@ -12,7 +12,7 @@ from ...config import CacheConfig
 from .ceiling import StepLog, replay
 from .options import RunOptions
 from .replica_job import ReplicaFigures
-from .report import check_lines, human_bytes, publish
+from .report import check_lines, human_bytes, percent, publish
 from .results import ledger_totals
 from .workload import Trace
 
@@ -151,10 +151,6 @@ def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, ReplicaFig
     }
 
 
-def _pct(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
-
-
 def render(r: dict) -> str:
     """The replicated job's report as text."""
     R, prompt, computed = r["replicas"], r["prompt_tokens"], r["prefill_tokens_computed"]
@@ -164,16 +160,17 @@ def render(r: dict) -> str:
     label = {"isolated": f"{R} replicas isolated (remote tier off)",
              "sharing": f"{R} replicas sharing (remote tier on)",
              "one cache (ceiling)": f"one cache of {R}x the capacity (ceiling, replay)"}
-    rows = [[label.get(name, name), prompt - n, n, _pct(prompt - n, prompt) if name != "no reuse" else "-"]
+    rows = [[label.get(name, name), prompt - n, n, percent(prompt - n, prompt) if name != "no reuse" else "-"]
             for name, n in computed.items()]
     out.append(tabulate(rows, intfmt=",", colalign=("left", "right", "right", "right"),
                         headers=["on the same trace", "tokens reused", "prefill tokens computed", "saved"]))
     g = r["gap"]
-    line = (f"gap isolated -> ceiling: {g['tokens']:,} prefill tokens ({_pct(g['tokens'], prompt)} of the "
+    line = (f"gap isolated -> ceiling: {g['tokens']:,} prefill tokens ({percent(g['tokens'], prompt)} of the "
             f"prompt tokens; isolated replicas compute {g['isolated_over_ceiling']:.2f}x the ceiling's)")
     if "sharing" in computed:
-        line += (f"; sharing closed {g['closed_tokens']:,} of them ({_pct(g['closed_tokens'], g['tokens'])})"
-                 if g["tokens"] > 0 else "; nothing to close")
+        closed = percent(g["closed_tokens"], g["tokens"])
+        line += (f"; sharing closed {g['closed_tokens']:,} of them ({closed})" if g["tokens"] > 0
+                 else "; nothing to close")
     out.append(line)
     t = r["turns"]
     out.append(f"turns: {t['follow_ups']:,} follow-ups, {t['sent_away']:,} routed to another replica than "

@@ -23,7 +23,8 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _pct(part: int, whole: int) -> str:
+def percent(part: float, whole: float) -> str:
+    """``part`` of ``whole`` as a percentage with one decimal, "-" of nothing."""
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
@@ -40,9 +41,9 @@ def render(r: dict) -> str:
     rows = [
         ["no reuse", 0, computed["no reuse"], "-"],
         ["gpu only", r["reused_tokens_gpu_only"], computed["gpu-only"],
-         _pct(prompt - computed["gpu-only"], prompt)],
+         percent(prompt - computed["gpu-only"], prompt)],
         [f"{' + '.join(tiers)} (this run)", total_reused, computed["this run"],
-         _pct(prompt - computed["this run"], prompt)],
+         percent(prompt - computed["this run"], prompt)],
     ]
     out.append("")
     out.append(tabulate(rows, headers=["reuse on the same trace", "tokens reused",
@@ -51,11 +52,11 @@ def render(r: dict) -> str:
     saved = r["prefill_tokens_saved"]
     out.append(f"prompt tokens {prompt:,}; this run saves {saved['vs no reuse']:,} prefill tokens vs no "
                f"reuse and {saved['vs gpu-only']:,} vs gpu-only reuse "
-               f"({_pct(saved['vs gpu-only'], computed['gpu-only'])} of gpu-only's prefill)")
+               f"({percent(saved['vs gpu-only'], computed['gpu-only'])} of gpu-only's prefill)")
     per_tier = []
     for t in tiers:
         per_tier.append([t, r["capacity_blocks"][t], human_bytes(r["capacity_blocks"][t] * r["block_bytes"]),
-                         r["reused_tokens"][t], _pct(r["reused_tokens"][t], prompt),
+                         r["reused_tokens"][t], percent(r["reused_tokens"][t], prompt),
                          r["evictions_by_tier"].get(t, 0)])
     out.append("")
     out.append(tabulate(per_tier, headers=["tier", "blocks/rank", "size/rank", "tokens reused",

@@ -10,9 +10,10 @@ import time
 
 from ...config import CacheConfig
 from ..engine.scheduler import Running, StepPlan
-from .driver import RunParts, Simulation
+from .driver import Simulation
 from .metrics import Timeline
 from .options import RunOptions
+from .parts import RunParts
 from .plots import write_plots
 from .report import human_bytes, publish, render
 from .results import RankFigures, RunFacts, assemble
