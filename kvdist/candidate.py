@@ -120,7 +120,7 @@ def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: to
             demote_ahead=int(cfg.cache.disk.demote_ahead * host_n),
             engine_seams=seams.engine_seams(), table_rows=seams.table_rows,
             recompute_when_faster=cfg.cache.recompute_when_faster)
-        local.stager = Stager(local.backend.upload, protect=seams.protect_staging)
+        local.stager = Stager(local.backend.upload, slots=seams.staging_slots, protect=seams.protect_staging)
         seams.rank_cache = local
         return local
     except BaseException:

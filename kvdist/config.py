@@ -215,6 +215,8 @@ class WorkloadConfig(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA
     # A CUDA model on one rank replays each step's per-token work from CUDA graphs.
     cuda_graphs: bool = True
+    # The main job prepares step N+1 while step N's forward pass runs; None: on CUDA.
+    run_ahead: bool | None = None
     # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
     request_rate: float = Field(default=2.0, gt=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never

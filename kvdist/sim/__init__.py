@@ -29,7 +29,9 @@ def main(args: argparse.Namespace) -> int:
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
-    from .experiment.driver import RunOptions, StartupFailed, run
+    from .experiment.job import run
+    from .experiment.options import RunOptions
+    from .experiment.preflight import StartupFailed
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
