@@ -365,8 +365,9 @@ class KVCache:
                 parts.manager.host_observer = None
                 remote.close()
             parts.teardown()
-            # After a timed-out collective the communicator is unusable: nothing to wait on.
-            if wait_for_peers and getattr(self._comm, "broken", None) is None:
+            # After a timed-out collective (or a stall anywhere in the process) the
+            # communicator is unusable: nothing to wait on.
+            if wait_for_peers and self._comm.usable:
                 self._comm.barrier("close")
         finally:
             self._replicas.free()
@@ -418,6 +419,9 @@ def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
     try:
         with timing.clock("consensus"):
             replicas = ReplicaComms(c, layout)
+            step = cfg.distributed.step_timeout_s  # run-time collectives: the step deadline
+            c.run_time(None if step == "auto" else step)
+            replicas.tp.run_time(None if step == "auto" else step)
             if plan is not None:
                 parts = done.candidate
                 remote = remote_setup.commit_remote(

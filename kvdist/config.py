@@ -169,8 +169,22 @@ class RemoteConfig(_Section):
     directory_every_steps: int = Field(default=8, ge=1)
 
 
+def _seconds_or_auto(value: object) -> float | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+        return float(value)
+    raise ValueError("must be seconds > 0, or auto")
+
+
+StepTimeout = Annotated[float | str, BeforeValidator(_seconds_or_auto)]
+
+
 class DistributedConfig(_Section):
     consensus_timeout_s: float = Field(default=120.0, gt=0)
+    # Bound of every run-time collective (docs/design.md, "A stalled rank"): seconds, or
+    # auto = max(10 s, 4 x the slowest interval between two collectives seen).
+    step_timeout_s: StepTimeout = "auto"
     check_consistency_every: int = Field(default=0, ge=0)  # steps; 0 = never automatically
     tp_size: int = Field(default=0, ge=0)  # ranks per replica; 0 = the whole job is one replica
     remote: RemoteConfig = RemoteConfig()

@@ -13,7 +13,7 @@ import argparse
 
 from .. import process
 from ..config import load_config
-from ..errors import ConfigError
+from ..errors import CollectiveMismatch, ConfigError, RankStalled
 
 
 def main(args: argparse.Namespace) -> int:
@@ -57,6 +57,13 @@ def main(args: argparse.Namespace) -> int:
     except process.Interrupted as e:
         process.say(e.line())
         return e.exit_code
+    except RankStalled as e:  # every live rank of the job names the stalled ones
+        process.say_here(f"{e.line}; caches closed, the job ends")
+        process.leave_without(e.stalled)
+        return process.STALLED_EXIT
+    except CollectiveMismatch as e:
+        process.say_here(f"{e}; caches closed, the job ends")
+        return process.STALLED_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C of a job without MPI
         process.say("interrupted; caches closed")
         return 130

@@ -74,7 +74,7 @@ def run_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
     """Every configuration of CONFIGS on every rank of ``comm`` (collective)."""
     if opts.requests is not None:
         cfg = cfg.replace(workload={"requests": opts.requests})
-    tp = TensorParallel(comm)
+    tp = TensorParallel.of(cfg, comm)
     runs: dict[str, dict] = {}
     try:
         model = build_model(cfg, tp, comm)

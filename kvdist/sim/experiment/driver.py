@@ -179,10 +179,17 @@ class Simulation(Generic[R]):
         """The ranks agree (one allreduce: they reused alike, and whether any was asked
         to stop by a signal: all then stop after this same step), then the forward pass
         is queued (``ahead``: with the digests of its reused blocks behind it)."""
-        same, stop = self.tp.agree([len(step.plan.batch), *step.reused], process.encode_stop(self.tp.rank))
+        world = self.parts.world
+        request = process.encode_stop(self.cache.rank)  # a signal, named by its world rank
+        if world is not None:  # another replica's stop counts as this rank's own
+            request = max([request, *world.take_notices()])
+        same, stop = self.tp.agree([len(step.plan.batch), *step.reused], request,
+                                   f"step {step.plan.step:,}'s agreement")
         if not same:
             raise ConsistencyError(f"ranks reused different prefixes at step {step.plan.step}", [])
         self.stop = process.decode_stop(stop)
+        if self.stop is not None and world is not None:
+            world.notify_all(stop)  # the other replicas stop at their next step
         return launch(self.cache, self.model, step.plan, step.table, step.reused, self.verify, digest=ahead)
 
     def _release(self, done: list[Running]) -> float:

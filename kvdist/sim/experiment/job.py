@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from ... import process
 from ...config import CacheConfig
 from ..engine.model import Decoder
 from ..engine.parallel import TensorParallel
@@ -47,7 +48,7 @@ def solo(cfg: CacheConfig, opts: RunOptions, comm=None, *, model: Decoder | None
     server, cache = open_cache(cfg, opts, comm)
     parts = None
     try:
-        tp = TensorParallel(comm)
+        tp = TensorParallel.of(cfg, comm)
         try:
             w, trace = cfg.workload, generate(cfg.workload)
             gpu = cache.stats()["capacity_blocks"]["gpu"]
@@ -77,7 +78,10 @@ def run_replicas(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
     A job that is one replica (``tp_size`` = world size) is the plain main job."""
     if opts.requests is not None:
         cfg = cfg.replace(workload={"requests": opts.requests})
-    world = TensorParallel(comm)
+    world = TensorParallel.of(cfg, comm)
+    # A replica that stopped on a signal never joins the next world collective: the
+    # others, waiting in it, stop too (the stop request a replica posts ends the wait).
+    world.stop_waiting_on_notice(lambda notices: process.decode_stop(max(notices, default=0)))
     try:
         if world.size <= cfg.distributed.tp_size:
             sim = solo(cfg, opts, comm)

@@ -48,6 +48,9 @@ class RunParts:
     server: MetricsServer | None = None  # rank 0's metrics endpoint
     look_ahead: bool = True  # prefetch for Scheduler.upcoming (False: the scheduler's gate does)
     run_ahead: bool = False  # prepare step N+1 while step N's forward pass runs
+    # A replica's: the whole job's communicator, through which a replica that stops on a
+    # signal tells the others (point to point: no collective spans replicas, R3).
+    world: TensorParallel | None = None
 
 
 def close_parts(parts: RunParts, reporter: Closing | None = None) -> None:

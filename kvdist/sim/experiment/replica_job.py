@@ -120,7 +120,7 @@ def replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorParallel, 
         mine = split(trace, routes, cache.replica)
         group = world.mpi.Split(cache.replica, cache.rank)
         try:
-            tp = TensorParallel(group)
+            tp = TensorParallel.of(cfg, group)
         finally:
             group.Free()
         try:
@@ -130,7 +130,8 @@ def replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorParallel, 
                               tokens_per_block=cache.layout.tokens_per_block, gate=gate)
             placement, model = engine(cfg, cache, tp, comm, None)
             clock = WallSteps(cache.device, tp, world, w.step_ms)
-            parts = RunParts(cache, tp, mine, sched, clock, model, placement, server, look_ahead=False)
+            parts = RunParts(cache, tp, mine, sched, clock, model, placement, server, look_ahead=False,
+                             world=world)
         except BaseException:
             if parts is None:
                 tp.free()
