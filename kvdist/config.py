@@ -309,14 +309,16 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
 def _check_disk_dir(disk: DiskTierConfig) -> None:
     """The disk tier's directory can hold a file of ``bytes`` (one rank's share; the
     start checks the node's ranks together). Runs after every other key validated
-    and creates nothing: the directory is made when the tier is built."""
+    and creates nothing: the directory is made when the tier is built. Space this
+    process's open disk tiers hold there counts as free: a copy of the config made
+    while the cache runs (``replace``) must not refuse the tier it already has."""
     if not disk.bytes or disk.path is None:
         return
     directory = paths.resolve_disk_dir(disk.path)
     problem = paths.files_problem(directory)
     if problem is not None:
         raise ConfigError("cache.disk.path", disk.path, problem)
-    free = paths.free_bytes(directory)
+    free = paths.free_bytes(directory) + paths.reserved_bytes(directory)
     if disk.bytes > free:
         raise ConfigError("cache.disk.bytes", disk.bytes,
                           f"more than the {free:,} bytes free under {paths.nearest_existing(directory)}")
