@@ -95,6 +95,27 @@ def test_out_directory_is_checked_before_the_run(tmp_path):
               ["--out", "/proc/x", "not writable"])
 
 
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_out_whose_latest_is_not_a_symlink_is_refused_before_the_run(tmp_path, kind):
+    out = tmp_path / "runs"
+    out.mkdir()
+    latest = out / "latest"
+    latest.mkdir() if kind == "directory" else latest.write_text("mine")
+    _one_line(["run", "--config", _config(tmp_path, workload={"requests": 2}), "--quiet", "--out", str(out)],
+              ["--out", str(out), f"{latest} is a {kind}, not the symlink"])
+    assert os.listdir(out) == ["latest"]  # no run directory, no temporary link
+
+
+def test_a_failed_latest_link_leaves_no_temporary_link(tmp_path):
+    from kvdist.sim import report
+
+    run_dir = report.new_run_dir(tmp_path)
+    (tmp_path / "latest").mkdir()  # made after the preflight: the replace fails
+    with pytest.raises(OSError):
+        report.point_latest(run_dir)
+    assert sorted(os.listdir(tmp_path)) == sorted([run_dir.name, "latest"])
+
+
 def test_metrics_port_out_of_range_or_in_use(tmp_path):
     cfg = _config(tmp_path)
     _one_line(["run", "--config", cfg, "--metrics-port", "70000"], ["--metrics-port", "70000", "1..65535"])

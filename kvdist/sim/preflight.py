@@ -4,6 +4,8 @@ metrics port can be bound. And how a failed start reaches the command line."""
 
 from __future__ import annotations
 
+import os
+
 from .. import paths
 from ..distributed import comm as dist_comm
 from ..errors import ConfigError, KVDistError
@@ -19,6 +21,16 @@ class StartupFailed(Exception):
         super().__init__(str(cause))
 
 
+def latest_problem(out: str) -> str | None:
+    """Why ``<out>/latest`` could not be pointed at the run (``report.point_latest``
+    replaces a symlink only), or None."""
+    latest = os.path.join(out, "latest")
+    if os.path.islink(latest) or not os.path.lexists(latest):
+        return None
+    what = "a directory" if os.path.isdir(latest) else "a file"
+    return f"{latest} is {what}, not the symlink a run points at its results (move it away)"
+
+
 def preflight(comm, out: str | None, port: int | None, host: str) -> MetricsServer | None:
     """Rank 0 of ``comm`` (the job) checks ``out`` and binds the metrics endpoint
     (returned, serving); every rank then raises the same ConfigError if either failed
@@ -26,7 +38,7 @@ def preflight(comm, out: str | None, port: int | None, host: str) -> MetricsServ
     c = dist_comm.resolve(comm)
     problem, server = None, None
     if c.rank == 0:
-        why = None if out is None else paths.files_problem(out)
+        why = None if out is None else paths.files_problem(out) or latest_problem(out)
         if why is not None:
             problem = ("--out", out, f"results cannot be written there: {why}")
         elif port is not None:
