@@ -44,7 +44,8 @@ PositiveSize = Annotated[int, BeforeValidator(_positive_size)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No key means anything at infinity or NaN (an infinite rate or timeout is a hang).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -182,14 +183,15 @@ class WorkloadConfig(_Section):
     the cache). Ranges are ``[min, max]``, drawn uniformly."""
 
     requests: int = Field(default=400, gt=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=1 << 63)  # numpy's and torch's generators take 0..2**63-1 here
     system_prompts: int = Field(default=4, gt=0)
     system_prompt_tokens: int = Field(default=256, gt=0)
     conversations: int = Field(default=64, gt=0)  # chats alive at once (the working set)
     turns: TokenRange = (1, 8)  # requests per chat; each resends the whole history
     user_tokens: TokenRange = (16, 96)
     output_tokens: TokenRange = (8, 32)
-    arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
+    # Requests per step (Poisson). Above a million, every trace arrives in its first steps anyway.
+    arrival_rate: float = Field(default=4.0, gt=0, le=1e6)
     think_steps: int = Field(default=0, ge=0)  # a chat's next turn comes >= this after its reply
     routing: Literal["round_robin", "sticky", "prefix"] = "round_robin"  # requests -> replicas
     # Several replicas keep the trace's time by the wall clock, one step per step_ms, so
