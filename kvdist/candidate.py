@@ -82,8 +82,9 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
         host = _blocks("cache.host.bytes", c.host.bytes, layout)
         share = available_memory() // max(local_ranks, 1)
         if c.host.bytes > share:  # a mistake, like the GPU tier's and the disk's (not USE_NO_HOST)
-            raise ConfigError("cache.host.bytes", c.host.bytes, f"more than the {share:,} bytes this node has "
-                                                               f"available for each of its {local_ranks} rank(s)")
+            raise ConfigError("cache.host.bytes", c.host.bytes,
+                              f"more than the {share:,} bytes this node has available for each of its "
+                              f"{local_ranks} rank(s)")
     disk = _blocks("cache.disk.bytes", c.disk.bytes, layout) if c.disk.path else 0
     return gpu, host, disk
 

@@ -92,26 +92,31 @@ def test_vocab_size_beyond_the_tiny_model(tmp_path):
 # minutes of generating a trace, a tier silently dropped): one line, exit 2, nothing built.
 ACCEPTED_THEN_CRASHED = [
     ("seed", {"workload": {"seed": -1}}, ["workload.seed", "(got -1)", "greater than or equal to 0"]),
-    ("inf rate", {"workload": {"arrival_rate": float("inf")}}, ["workload.arrival_rate", "(got inf)", "finite"]),
+    ("inf rate", {"workload": {"arrival_rate": float("inf")}},
+     ["workload.arrival_rate", "(got inf)", "finite"]),
     ("huge rate", {"workload": {"arrival_rate": 1.0e+20}}, ["workload.arrival_rate", "(got 1e+20)"]),
     ("int8", {"model": {"dtype": "int8"}}, ["model.dtype", "'int8'", "floating-point K/V"]),
     ("uint8", {"model": {"dtype": "uint8"}}, ["model.dtype", "'uint8'", "floating-point K/V"]),
-    ("model at the maxima", {"model": {"num_layers": 1000}, "workload": {"vocab_size": 1 << 20, "hidden": 8192}},
+    ("model at the maxima",
+     {"model": {"num_layers": 1000}, "workload": {"vocab_size": 1 << 20, "hidden": 8192}},
      ["workload.hidden", "(got 8192)", "the model", "bytes this node has available"]),
     ("a trillion requests", {"workload": {"requests": 10**12}},
      ["workload.requests", "(got 1000000000000)", "the trace", "bytes this node has available"]),
     ("huge system prompt", {"workload": {"system_prompt_tokens": 10**8}},
-     ["workload.system_prompt_tokens", "(got 100000000)", "needs 6,250,001 GPU blocks, more than the GPU tier's 64"]),
+     ["workload.system_prompt_tokens", "(got 100000000)",
+      "needs 6,250,001 GPU blocks, more than the GPU tier's 64"]),
     ("host tier beyond memory", {"cache": {"host": {"bytes": "10000TB"}}, "workload": {"requests": 2}},
-     ["cache.host.bytes", "(got 10000000000000000)", "bytes this node has available for each of its 1 rank(s)"]),
+     ["cache.host.bytes", "(got 10000000000000000)",
+      "bytes this node has available for each of its 1 rank(s)"]),
 ]
 
 
 @pytest.mark.parametrize("sections, must", [c[1:] for c in ACCEPTED_THEN_CRASHED],
                          ids=[c[0] for c in ACCEPTED_THEN_CRASHED])
 def test_values_the_run_cannot_handle_are_one_line(tmp_path, sections, must):
-    _one_line(["run", "--config", _config(tmp_path, **sections), "--quiet", "--out", str(tmp_path / "runs")], must)
-    assert not (tmp_path / "runs").exists()
+    out = tmp_path / "runs"
+    _one_line(["run", "--config", _config(tmp_path, **sections), "--quiet", "--out", str(out)], must)
+    assert not out.exists()
 
 
 def test_out_directory_is_checked_before_the_run(tmp_path):

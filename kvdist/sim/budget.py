@@ -10,7 +10,7 @@ model writes floating-point K/V and has no quantizer)."""
 
 from __future__ import annotations
 
-__all__ = ["NOT_FOR_THE_RUN", "Budget", "RunSize", "check_run", "model_bytes", "trace_bytes"]
+__all__ = ["NOT_FOR_THE_RUN", "Budget", "RunSize", "check_run", "model_bytes", "run_size", "trace_bytes"]
 
 from dataclasses import dataclass
 
@@ -71,26 +71,39 @@ class Budget:
 
 @dataclass(frozen=True, slots=True)
 class RunSize:
+    """Bytes of the trace (every rank holds it whole) and of one rank's model."""
+
     trace: int
     model: int
+
+    def excess(self, budget: Budget) -> int:
+        """Bytes beyond the budget, on the host or the device, whichever is more over."""
+        host = self.trace + (self.model if budget.device is None else 0) - budget.host
+        return max(host, self.model - budget.device) if budget.device is not None else host
 
     def problem(self, budget: Budget) -> str | None:
         host = self.trace + (self.model if budget.device is None else 0)
         share = f"this node has available for each of its {budget.local_ranks} rank(s)"
         if host > budget.host:
-            what = f"the trace {self.trace:,}" + (f", the model {self.model:,}" if budget.device is None else "")
-            return f"the run needs about {host:,} bytes per rank ({what}), more than the {budget.host:,} bytes {share}"
+            on_host = budget.device is None
+            what = f"the trace {self.trace:,}" + (f", the model {self.model:,}" if on_host else "")
+            return (f"the run needs about {host:,} bytes per rank ({what}), "
+                    f"more than the {budget.host:,} bytes {share}")
         if budget.device is not None and self.model > budget.device:
-            return (f"the model needs about {self.model:,} bytes per rank, more than the {budget.device:,} bytes "
-                    "the GPU tier leaves on the device")
+            return (f"the model needs about {self.model:,} bytes per rank, "
+                    f"more than the {budget.device:,} bytes the GPU tier leaves on the device")
         return None
 
 
 def run_size(cfg: CacheConfig, requests: int, ranks: int, itemsize: int) -> RunSize:
+    """The trace of ``requests`` requests and one rank's model of ``ranks``-way TP."""
     return RunSize(trace_bytes(cfg.workload, requests), model_bytes(cfg, ranks, itemsize))
 
 
-def check_run(cfg: CacheConfig, requests: int | None, ranks: int, budget: Budget) -> tuple[str, object, str] | None:
+Mistake = tuple[str, object, str]  # ConfigError's key, value and why
+
+
+def check_run(cfg: CacheConfig, requests: int | None, ranks: int, budget: Budget) -> Mistake | None:
     """``(key, value, why)`` of the first thing the main job cannot run with, or None.
     Pure: the caller agrees on it across ranks (their memory may differ)."""
     if cfg.model.dtype in NOT_FOR_THE_RUN:
@@ -109,7 +122,7 @@ def check_run(cfg: CacheConfig, requests: int | None, ranks: int, budget: Budget
     return (f"workload.{key}", value, why)
 
 
-def _shortest_request(cfg: CacheConfig) -> tuple[str, object, str] | None:
+def _shortest_request(cfg: CacheConfig) -> Mistake | None:
     """Every chat's first request holds a system prompt, a message and a reply at
     once: if even the shortest cannot fit a GPU tier sized in blocks or bytes, no
     request can (the scheduler would say so only after the whole trace was made)."""
@@ -125,8 +138,8 @@ def _shortest_request(cfg: CacheConfig) -> tuple[str, object, str] | None:
         return None
     key = max(parts, key=parts.__getitem__)
     return (f"workload.{key}", getattr(w, key),
-            f"the shortest request ({tokens:,} tokens: a system prompt, the shortest message and reply) needs "
-            f"{need:,} GPU blocks, more than the GPU tier's {blocks:,}")
+            f"the shortest request ({tokens:,} tokens: a system prompt, the shortest message and reply) "
+            f"needs {need:,} GPU blocks, more than the GPU tier's {blocks:,}")
 
 
 def _culprit(cfg: CacheConfig, requests: int, ranks: int, budget: Budget) -> str:
@@ -134,17 +147,11 @@ def _culprit(cfg: CacheConfig, requests: int, ranks: int, budget: Budget) -> str
     no default would (then only fewer requests help)."""
     defaults = WorkloadConfig()
 
-    def excess(key: str) -> int:
+    def excess(key: str | None) -> int:
         n = defaults.requests if key == "requests" else requests
-        c = cfg if key == "requests" else cfg.model_copy(
+        c = cfg if key in (None, "requests") else cfg.model_copy(
             update={"workload": cfg.workload.model_copy(update={key: getattr(defaults, key)})})
-        size = run_size(c, n, ranks, budget.itemsize)
-        over_host = size.trace + (size.model if budget.device is None else 0) - budget.host
-        over_device = 0 if budget.device is None else size.model - budget.device
-        return max(over_host, over_device)
+        return run_size(c, n, ranks, budget.itemsize).excess(budget)
 
     best = min(SIZING_KEYS, key=excess)
-    over_now = run_size(cfg, requests, ranks, budget.itemsize)
-    now = max(over_now.trace + (over_now.model if budget.device is None else 0) - budget.host,
-              0 if budget.device is None else over_now.model - budget.device)
-    return best if excess(best) < now else "requests"
+    return best if excess(best) < excess(None) else "requests"
