@@ -10,7 +10,7 @@ import pytest
 
 import kvdist
 from kvdist import paths
-from kvdist.sim.shadows import Shadows
+from kvdist.sim.experiment.shadows import Shadows
 
 from .conftest import make_cfg
 from .launching import LAUNCH, ROOT, tiny_config

@@ -138,7 +138,7 @@ def test_out_whose_latest_is_not_a_symlink_is_refused_before_the_run(tmp_path, k
 
 
 def test_a_failed_latest_link_leaves_no_temporary_link(tmp_path):
-    from kvdist.sim import report
+    from kvdist.sim.experiment import report
 
     run_dir = report.new_run_dir(tmp_path)
     (tmp_path / "latest").mkdir()  # made after the preflight: the replace fails

@@ -1,4 +1,4 @@
-"""The main job's estimate of what it will allocate (``sim.budget``), checked before
+"""The main job's estimate of what it will allocate (``sim.experiment.budget``), checked before
 anything is built: the trace's and the model's bytes as the real ones count them,
 and the key a too-large run names."""
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.sim import preflight
-from kvdist.sim.budget import REQUEST_OVERHEAD, Budget, check_run, model_bytes, trace_bytes
-from kvdist.sim.model import Decoder, Geometry
-from kvdist.sim.parallel import TensorParallel
-from kvdist.sim.workload import generate
+from kvdist.sim.engine.model import Decoder, Geometry
+from kvdist.sim.engine.parallel import TensorParallel
+from kvdist.sim.experiment import preflight
+from kvdist.sim.experiment.budget import REQUEST_OVERHEAD, Budget, check_run, model_bytes, trace_bytes
+from kvdist.sim.experiment.workload import generate
 
 from .conftest import make_cfg
 

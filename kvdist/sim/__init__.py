@@ -26,13 +26,13 @@ def main(args: argparse.Namespace) -> int:
     if args.rate is not None:
         cfg = cfg.replace(workload={"request_rate": args.rate})
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-    from .preflight import check_run_size
+    from .experiment.preflight import check_run_size
 
     check_run_size(cfg, args.requests)  # before anything big: the trace and the model fit
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
-    from .driver import RunOptions, StartupFailed, run
+    from .experiment.driver import RunOptions, StartupFailed, run
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         opts.compare = not replicated and cfg.cache.device != "cpu" and torch.cuda.is_available()
     try:
         if opts.compare:
-            from .compare import CONFIGS, run_compare
+            from .experiment.compare import CONFIGS, run_compare
 
             if not configs or any(c not in CONFIGS for c in configs):
                 raise ConfigError("--configs", args.configs,

@@ -5,8 +5,8 @@ the others waiting in the run's first collective)."""
 import pytest
 
 import kvdist
-from kvdist.sim import preflight
-from kvdist.sim.budget import REQUEST_OVERHEAD
+from kvdist.sim.experiment import preflight
+from kvdist.sim.experiment.budget import REQUEST_OVERHEAD
 from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.mpi

@@ -14,8 +14,8 @@ __all__ = ["NOT_FOR_THE_RUN", "Budget", "RunSize", "check_run", "model_bytes", "
 
 from dataclasses import dataclass
 
-from ..config import CacheConfig, WorkloadConfig
-from ..layout import KVLayout
+from ...config import CacheConfig, WorkloadConfig
+from ...layout import KVLayout
 
 # K/V dtypes the cache stores and the main job's model cannot write.
 NOT_FOR_THE_RUN = ("int8", "uint8")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 
-from .. import paths
-from ..config import CacheConfig
-from ..distributed import comm as dist_comm
-from ..errors import ConfigError, KVDistError
-from ..storage.host_sizing import available_memory
+from ... import paths
+from ...config import CacheConfig
+from ...distributed import comm as dist_comm
+from ...errors import ConfigError, KVDistError
+from ...storage.host_sizing import available_memory
 from .budget import Budget, check_run
 from .metrics import MetricsServer
 
@@ -87,8 +87,8 @@ def _budget(cfg: CacheConfig, local_rank: int, local_size: int) -> Budget:
         return Budget(host, local_size, None, _COMPUTE_ITEMSIZE.get(name, 4))
     import torch
 
-    from ..candidate import select_device
-    from ..layout import KVLayout
+    from ...candidate import select_device
+    from ...layout import KVLayout
 
     try:
         device = select_device(cfg.cache.device, local_rank)
