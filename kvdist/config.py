@@ -200,8 +200,9 @@ class WorkloadConfig(_Section):
     turns: TokenRange = (1, 8)  # requests per chat; each resends the whole history
     user_tokens: TokenRange = (16, 96)
     output_tokens: TokenRange = (8, 32)
-    # Requests per step (Poisson). Above a million, every trace arrives in its first steps anyway.
-    arrival_rate: float = Field(default=4.0, gt=0, le=1e6)
+    # Requests per step (Poisson). Above a million, every trace arrives in its first steps
+    # anyway; below 0.001 the run would be idle steps (a thousand per request).
+    arrival_rate: float = Field(default=4.0, ge=1e-3, le=1e6)
     think_steps: int = Field(default=0, ge=0)  # a chat's next turn comes >= this after its reply
     routing: Literal["round_robin", "sticky", "prefix"] = "round_robin"  # requests -> replicas
     # Several replicas keep the trace's time by the wall clock, one step per step_ms, so

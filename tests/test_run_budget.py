@@ -2,6 +2,9 @@
 anything is built: the trace's and the model's bytes as the real ones count them,
 and the key a too-large run names."""
 
+import math
+import threading
+
 import pytest
 import torch
 
@@ -9,7 +12,14 @@ import kvdist
 from kvdist.sim.engine.model import Decoder, Geometry
 from kvdist.sim.engine.parallel import TensorParallel
 from kvdist.sim.experiment import preflight
-from kvdist.sim.experiment.budget import REQUEST_OVERHEAD, Budget, check_run, model_bytes, trace_bytes
+from kvdist.sim.experiment.budget import (
+    CHAT_OVERHEAD,
+    REQUEST_OVERHEAD,
+    Budget,
+    check_run,
+    model_bytes,
+    trace_bytes,
+)
 from kvdist.sim.experiment.workload import generate
 
 from .conftest import make_cfg
@@ -25,7 +35,36 @@ def test_trace_bytes_count_the_tokens_the_trace_holds():
     trace = generate(w)
     tokens = sum(len(r.prompt) + len(r.output) for r in trace.requests)
     assert tokens == 10 * (3 * 40 + 7 * (1 + 2 + 3) + 5 * (0 + 1 + 2) + 3 * 5)
-    assert trace_bytes(w, 30) == 30 * REQUEST_OVERHEAD + 4 * tokens + 4 * 40 * 2
+    assert trace_bytes(w, 30) == 30 * REQUEST_OVERHEAD + 4 * tokens + 4 * 40 * 2 + CHAT_OVERHEAD * 1
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result, or a failure if it has not returned after ``seconds`` (a
+    loop that would take hours, not a speed goal)."""
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert out, f"{fn} did not return within {seconds} s"
+    return out[0]
+
+
+def test_the_estimate_of_a_huge_range_of_turns_is_a_formula_not_a_loop():
+    w = kvdist.load_config(make_cfg(workload={"turns": [1, 10**12], "system_prompt_tokens": 8,
+                                              "user_tokens": [2, 2], "output_tokens": [1, 1]})).workload
+    n = 10**12
+    e_t, e_t2 = (n + 1) / 2, (n + 1) * (2 * n + 1) / 6
+    tokens = (e_t * 8 + 2 * (e_t2 + e_t) / 2 + (e_t2 - e_t) / 2) / e_t + 1
+    per_request = math.ceil(REQUEST_OVERHEAD + 4 * tokens)
+    assert _within(60, lambda: trace_bytes(w, 5)) == 5 * per_request + CHAT_OVERHEAD * 64 + 4 * 8 * 4
+
+
+def test_a_trace_whose_chats_all_think_jumps_to_the_first_ready_one():
+    w = kvdist.load_config(make_cfg(workload={"requests": 3, "conversations": 1, "turns": [3, 3],
+                                              "think_steps": 10**12, "output_tokens": [4, 4]})).workload
+    trace = _within(60, lambda: generate(w))
+    first = trace.requests[0].arrival
+    assert [r.arrival for r in trace.requests] == [first, first + 4 + 10**12, first + 2 * (4 + 10**12)]
 
 
 @pytest.mark.parametrize("ranks", [1, 3])

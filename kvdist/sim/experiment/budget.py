@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = ["NOT_FOR_THE_RUN", "Budget", "RunSize", "check_run", "model_bytes", "run_size", "trace_bytes"]
 
+import math
 from dataclasses import dataclass
 
 from ...config import CacheConfig, WorkloadConfig
@@ -20,10 +21,11 @@ from ...layout import KVLayout
 # K/V dtypes the cache stores and the main job's model cannot write.
 NOT_FOR_THE_RUN = ("int8", "uint8")
 REQUEST_OVERHEAD = 512  # bytes of a Request beside its tokens (the object, two arrays): 430 measured
+CHAT_OVERHEAD = 128  # bytes of a live chat (workload.conversations of them at once)
 TOKEN_BYTES = 4  # int32
 # The keys whose values size the trace and the model, in the order they are named on a tie.
 SIZING_KEYS = ("requests", "system_prompt_tokens", "system_prompts", "turns", "user_tokens", "output_tokens",
-               "hidden", "vocab_size", "ffn_hidden", "q_per_kv")
+               "conversations", "hidden", "vocab_size", "ffn_hidden", "q_per_kv")
 
 
 def _mean(lo_hi: tuple[int, int]) -> float:
@@ -35,13 +37,17 @@ def trace_bytes(w: WorkloadConfig, requests: int) -> int:
     prompts of S + (k+1)·U + k·O tokens for k = 0..T-1 (system prompt, history,
     new message), each with a reply of O tokens."""
     lo, hi = w.turns
-    turns = range(lo, hi + 1)
-    e_t = sum(turns) / len(turns)
-    e_t2 = sum(t * t for t in turns) / len(turns)
+    e_t = (lo + hi) / 2
+
+    def squares(n: int) -> int:  # 1² + ... + n²
+        return n * (n + 1) * (2 * n + 1) // 6
+
+    e_t2 = (squares(hi) - squares(lo - 1)) / (hi - lo + 1)
     s, u, o = w.system_prompt_tokens, _mean(w.user_tokens), _mean(w.output_tokens)
     per_chat = e_t * s + u * (e_t2 + e_t) / 2 + o * (e_t2 - e_t) / 2
-    tokens = per_chat / e_t + o
-    return int(requests * (REQUEST_OVERHEAD + TOKEN_BYTES * tokens) + TOKEN_BYTES * s * w.system_prompts)
+    per_request = math.ceil(REQUEST_OVERHEAD + TOKEN_BYTES * (per_chat / e_t + o))
+    return (requests * per_request + CHAT_OVERHEAD * w.conversations
+            + TOKEN_BYTES * s * w.system_prompts)
 
 
 def model_bytes(cfg: CacheConfig, ranks: int, itemsize: int) -> int:
