@@ -44,7 +44,8 @@ PositiveSize = Annotated[int, BeforeValidator(_positive_size)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No key means anything at infinity or NaN (an infinite rate or timeout is a hang).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -206,14 +207,16 @@ class WorkloadConfig(_Section):
     the cache). Ranges are ``[min, max]``, drawn uniformly."""
 
     requests: int = Field(default=400, gt=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=1 << 63)  # numpy's and torch's generators take 0..2**63-1 here
     system_prompts: int = Field(default=4, gt=0)
     system_prompt_tokens: int = Field(default=256, gt=0)
     conversations: int = Field(default=64, gt=0)  # chats alive at once (the working set)
     turns: TokenRange = (1, 8)  # requests per chat; each resends the whole history
     user_tokens: TokenRange = (16, 96)
     output_tokens: TokenRange = (8, 32)
-    arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
+    # Requests per step (Poisson). Above a million, every trace arrives in its first steps
+    # anyway; below 0.001 the run would be idle steps (a thousand per request).
+    arrival_rate: float = Field(default=4.0, ge=1e-3, le=1e6)
     think_steps: int = Field(default=0, ge=0)  # a chat's next turn comes >= this after its reply
     routing: Literal["round_robin", "sticky", "prefix"] = "round_robin"  # requests -> replicas
     # Several replicas keep the trace's time by the wall clock, one step per step_ms, so
@@ -335,14 +338,16 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
 def _check_disk_dir(disk: DiskTierConfig) -> None:
     """The disk tier's directory can hold a file of ``bytes`` (one rank's share; the
     start checks the node's ranks together). Runs after every other key validated
-    and creates nothing: the directory is made when the tier is built."""
+    and creates nothing: the directory is made when the tier is built. Space this
+    process's open disk tiers hold there counts as free: a copy of the config made
+    while the cache runs (``replace``) must not refuse the tier it already has."""
     if not disk.bytes or disk.path is None:
         return
     directory = paths.resolve_disk_dir(disk.path)
     problem = paths.files_problem(directory)
     if problem is not None:
         raise ConfigError("cache.disk.path", disk.path, problem)
-    free = paths.free_bytes(directory)
+    free = paths.free_bytes(directory) + paths.reserved_bytes(directory)
     if disk.bytes > free:
         raise ConfigError("cache.disk.bytes", disk.bytes,
                           f"more than the {free:,} bytes free under {paths.nearest_existing(directory)}")

@@ -125,13 +125,18 @@ def new_run_dir(out: str | os.PathLike) -> Path:
 
 
 def point_latest(run_dir: Path) -> None:
-    """``<out>/latest`` -> the run directory (relative, replaced atomically)."""
+    """``<out>/latest`` -> the run directory (relative, replaced atomically; the
+    preflight made sure ``latest`` is no directory). Leaves no temporary link."""
     link = run_dir.parent / "latest"
     tmp = run_dir.parent / f".latest-{os.getpid()}"
     if tmp.is_symlink():
         tmp.unlink()
     tmp.symlink_to(run_dir.name)
-    os.replace(tmp, link)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink()
+        raise
 
 
 def write_results(run_dir: Path, results: dict) -> Path:

@@ -95,8 +95,8 @@ def generate(w: WorkloadConfig) -> Trace:
             due = int(rng.poisson(w.arrival_rate))
         due -= 1
         ready = [i for i, c in enumerate(live) if c.ready_at <= step]
-        while not ready:  # every live chat is reading its last reply: the arrival waits
-            step += 1
+        if not ready:  # every live chat is reading its last reply: the arrival waits for the first
+            step = min(c.ready_at for c in live)
             ready = [i for i, c in enumerate(live) if c.ready_at <= step]
         k = ready[int(rng.integers(len(ready)))]
         chat = live[k]
