@@ -90,8 +90,8 @@ class Watchers:
             self.watch.poll(0.01, lambda key: None)
 
 
-def closed(s: socket.socket) -> bool:
-    s.settimeout(2)
+def closed(s: socket.socket, within_s: float = 2.0) -> bool:
+    s.settimeout(within_s)
     try:
         return s.recv(1) == b""
     except ConnectionResetError:
@@ -136,7 +136,7 @@ def test_a_connection_that_says_nothing_is_closed():
         deadline = time.monotonic() + HELLO_TIMEOUT_S + 5
         while len(w.watch.conns) > 1 and time.monotonic() < deadline:
             w.pump(1)
-        assert closed(idle)
+        assert closed(idle, HELLO_TIMEOUT_S)
         assert list(w.watch.ranks) == [0] and len(w.watch.conns) == 1 and watcher.fileno() > 0
     finally:
         w.watch.close()
@@ -148,37 +148,33 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 from kvdist.launcher.server import RankWatch
 w = RankWatch(4, local=True, token=sys.argv[1])
 print(w.listener.getsockname()[1], flush=True)
-end = time.monotonic() + float(sys.argv[2])
+end, rounds = time.monotonic() + float(sys.argv[2]), 0
 while time.monotonic() < end:
-    w.poll(0.05, lambda key: None)
-print(len(w.ranks), w.bad_lines, flush=True)
+    w.poll(0.05, lambda key: None)  # a round waits up to 50 ms for something to do
+    rounds += 1
+print(len(w.ranks), w.bad_lines, rounds, flush=True)
 """
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_idle_connections_beyond_the_descriptors_neither_spin_nor_lock_out_a_watcher():
-    """``ulimit -n 64`` and 58 idle connections: the server runs out of descriptors.
-    It must not busy-loop (CPU time well below the wall time), must close the idle ones
-    in time, and a real watcher connecting afterwards is heard."""
-    serve = subprocess.Popen([sys.executable, "-c", SERVE, TOKEN, str(HELLO_TIMEOUT_S + 8)], cwd=ROOT,
+    """``ulimit -n 64`` and more idle connections than descriptors (the issue's 58 next
+    to the launcher's own; this server alone has fewer, so 64): the server must not
+    busy-loop (rounds of its loop: each waits up to 50 ms when there is nothing to do;
+    spinning made thousands a second), must close the idle ones in time, and a real
+    watcher connecting afterwards is heard."""
+    seconds = HELLO_TIMEOUT_S + 6
+    serve = subprocess.Popen([sys.executable, "-c", SERVE, TOKEN, str(seconds)], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)
     try:
         port = int(serve.stdout.readline())
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(58)]
-        time.sleep(0.5)
-        cpu0, t0 = cpu_seconds(serve.pid), time.monotonic()
-        time.sleep(3)
-        used, wall = cpu_seconds(serve.pid) - cpu0, time.monotonic() - t0
-        assert used < 0.25 * wall, f"{used:.2f} s of CPU in {wall:.2f} s: the server spins"
-        assert sum(closed(s) for s in idle) == 58  # within HELLO_TIMEOUT_S (+ the 2 s recv allows)
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        assert sum(closed(s, HELLO_TIMEOUT_S + 3) for s in idle) == 64
         late = socket.create_connection(("127.0.0.1", port))
         late.sendall(wire.hello(TOKEN, 1, "vm", 7))
         out, _ = serve.communicate(timeout=60)
-        assert out.split() == ["1", "0"]
+        ranks, bad, rounds = map(int, out.split())
+        assert (ranks, bad) == (1, 0)
+        assert rounds < 40 * seconds, f"{rounds} rounds in {seconds} s: the server spins"
     finally:
         if serve.poll() is None:
             serve.kill()

@@ -107,7 +107,7 @@ def test_a_job_whose_ranks_ignore_the_stop_still_ends_with_its_launcher(tmp_path
     cfg = tiny_config(tmp_path, distributed={"consensus_timeout_s": 60})
     proc, holder = start_private(cfg, job_args(), np=2, env={"KVDIST_FAULTS": "stall@1"})
     try:
-        assert len(wait_for(lambda: len(watchers(proc.pid)) == 2 and watchers(proc.pid), 120)) == 2
+        assert wait_for(lambda: len(watchers(proc.pid)) == 2, 120), descendants(proc.pid)
         end_and_check(proc, holder, sig)
     finally:
         kill_all(proc, holder)
