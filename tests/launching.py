@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -48,23 +49,61 @@ def start(args: list[str], np: int | None = None, env: dict | None = None) -> su
                             text=True, start_new_session=True)
 
 
-def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60) -> str:
-    """Read the job's stdout until a line starting with ``prefix`` (the job's own
-    progress is the clock: no sleeping)."""
-    deadline = time.monotonic() + timeout
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60,
+                  pids: Callable[[], list[int]] | None = None, cpu_s: float | None = None) -> str:
+    """Read the job's stdout until a line starting with ``prefix``. The job's own
+    progress is the clock, not the wall's: on a loaded machine a job's start can take
+    minutes of wall time (under Open MPI a node's ranks share one scheduler group of
+    the kernel's autogroup, so they get half the CPU of MPICH's, each in a session of
+    its own). It fails when the job's processes (``pids()``, default: those under
+    ``proc``) neither print nor use CPU for ``timeout`` s (a hang that sleeps), when
+    they used ``cpu_s`` CPU-seconds without the line (a hang that spins, as a rank
+    polling in a collective does; default ``2 * timeout``), or after ``10 * timeout`` s."""
+    pids = pids or (lambda: descendants(proc.pid))
+    cpu_s = 2 * timeout if cpu_s is None else cpu_s
+    start = last_move = time.monotonic()
+    cpu0 = last_cpu = cpu_seconds(pids())
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    seen = []
-    while time.monotonic() < deadline:
-        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+    seen: list[str] = []
+    why = f"nothing printed and no CPU used for {timeout} s"
+    while True:
+        now = time.monotonic()
+        used = cpu_seconds(pids())
+        if used > last_cpu:
+            last_cpu, last_move = used, now
+        if now - last_move > timeout:
+            break
+        if used - cpu0 > cpu_s:
+            why = f"{used - cpu0:.0f} CPU-seconds used without it"
+            break
+        if now - start > 10 * timeout:
+            why = f"not within {10 * timeout} s"
+            break
+        if sel.select(timeout=1.0):
             line = proc.stdout.readline()
             if not line:
+                why = "the job ended"
                 break
             seen.append(line)
+            last_move = time.monotonic()
             if line.startswith(prefix):
                 return line
     kill_job(proc)
-    raise AssertionError(f"no line starting {prefix!r}; stdout: {seen!r}; stderr: {proc.stderr.read()}")
+    raise AssertionError(f"no line starting {prefix!r} ({why}); stdout: {seen!r}; "
+                         f"stderr: {proc.stderr.read()}")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time the processes ``pids`` used (those still there)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
