@@ -136,7 +136,7 @@ class Job:
         for fd in outs:
             self.watch.sel.unregister(fd)
         code = self.proc.returncode
-        if self.killed and self.signals:
+        if code and self.signals:  # a stopped job ends as the signal says (Open MPI's mpirun: 1)
             return 128 + self.signals[0]
         return 128 - code if code < 0 else code
 
