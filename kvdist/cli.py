@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "placement":
             from .sim.experiment import placement
 
+            if args.gpus_per_node is not None and args.gpus_per_node < 1:
+                raise ConfigError("--gpus-per-node", args.gpus_per_node, "must be at least 1")
             return placement.main(args)
         module = importlib.import_module(f"kvdist.bench.{args.name}")
         return module.main(args.args)
