@@ -1,7 +1,7 @@
 """How a ``python -m kvdist run`` process behaves as one rank of a job: its rank before
 MPI starts, one-line messages printed once (by rank 0), a stop on Ctrl-C or SIGTERM
 that every rank makes at the same step, an exit without MPI_Abort's banners, and the
-watcher (``rank_watcher.py``) that lets launch/kvdist-launch say which rank died and how."""
+watcher (``launcher/rank_watcher.py``) that lets launch/kvdist-launch say which rank died and how."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import socket
 import sys
 import time
 
+from .launcher.wire import ADDR_ENV as LAUNCH_ADDR_ENV
+from .launcher.wire import TOKEN_ENV as LAUNCH_TOKEN_ENV
+
 RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-LAUNCH_ADDR_ENV = "KVDIST_LAUNCH_ADDR"  # set by launch/kvdist-launch: where its watchers report
-LAUNCH_TOKEN_ENV = "KVDIST_LAUNCH_TOKEN"  # and the token they report with
 
 
 def launcher_rank() -> int | None:
@@ -28,7 +29,7 @@ def launcher_rank() -> int | None:
 
 
 def announce_to_launcher() -> None:
-    """Start this rank's watcher (``kvdist/rank_watcher.py``) when launch/kvdist-launch
+    """Start this rank's watcher (``kvdist/launcher/rank_watcher.py``) when launch/kvdist-launch
     started the job (``$KVDIST_LAUNCH_ADDR``, ``$KVDIST_LAUNCH_TOKEN``): a process of
     its own session that tells the launcher which process runs this rank and, when it
     ends, how, so that the launcher names the rank that died first on whatever node
@@ -40,11 +41,12 @@ def announce_to_launcher() -> None:
     import subprocess
 
     # Without the launcher's rank variables: the watcher is no rank to anyone looking.
+    # The token stays in the environment (readable by this user only), never in argv.
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS and not k.startswith(_MPI_PREFIXES)}
-    watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_watcher.py")
+    watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "rank_watcher.py")
     try:
         _watchers.append(subprocess.Popen(
-            [sys.executable, "-I", "-S", watcher, addr, token, str(rank), socket.gethostname(),
+            [sys.executable, "-E", "-s", "-S", watcher, addr, str(rank), socket.gethostname(),
              str(os.getpid())], env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True))
     except OSError:  # the launcher then has mpiexec's report only

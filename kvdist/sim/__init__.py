@@ -26,10 +26,15 @@ def main(args: argparse.Namespace) -> int:
     if args.rate is not None:
         cfg = cfg.replace(workload={"request_rate": args.rate})
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    from .experiment.preflight import check_run_size
+
+    check_run_size(cfg, args.requests)  # before anything big: the trace and the model fit
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
-    from .experiment.driver import RunOptions, StartupFailed, run
+    from .experiment.job import run
+    from .experiment.options import RunOptions
+    from .experiment.preflight import StartupFailed
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
