@@ -36,7 +36,8 @@ def test_a_stopped_rank_is_named_on_both_nodes_and_the_job_ends(bed, flavor, ran
         pytest.skip(f"no {jobs.MPIEXEC[flavor].relative_to(jobs.ROOT)}: `make venv` installs it")
     before = {n.name: shm_of(bed, n) for n in bed.nodes}
     cfg = tiny_config(tmp_path, disk_dir=bed.scratch,
-                      distributed={"consensus_timeout_s": 30, "step_timeout_s": STEP_TIMEOUT_S})
+                      distributed={"consensus_timeout_s": 30, "step_timeout_s": STEP_TIMEOUT_S},
+                      workload={"requests": 5000})  # the bed's nodes have 32 MiB a rank for the trace
     proc = jobs.start(bed, flavor, "run", "--config", str(cfg), "--quiet", "--out", str(tmp_path / "runs"),
                       timeout=120)
     named: list[tuple[float, str]] = []
