@@ -57,6 +57,14 @@ _watchers: list = []  # this rank's watcher (kept: never reaped while the rank l
 _MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "HYDI_")
 
 
+def world_rank() -> int:
+    """This process's rank in MPI_COMM_WORLD once MPI runs, else its launcher's (0 alone)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank()
+    return launcher_rank() or 0
+
+
 def reports() -> bool:
     """Whether this process prints the job's one-line messages (rank 0, or alone)."""
     return launcher_rank() in (None, 0)

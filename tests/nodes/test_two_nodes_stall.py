@@ -65,13 +65,14 @@ def test_a_stopped_rank_is_named_on_both_nodes_and_the_job_ends(bed, flavor, ran
     lines = [ln for _, ln in named]
     said = "\n".join(lines + [ln for _, ln in rest])
     assert proc.returncode == 3, said
-    # every other rank, on both nodes (Open MPI may pass a line on twice)
-    said_by = sorted({int(NAMED.search(ln).group(5)) for ln in lines})
-    assert said_by == [r for r in range(4) if r != rank], said
+    # Every other rank, on both nodes. Open MPI ends the job with SIGCONT before its
+    # SIGTERM: the stopped rank then runs, learns the verdict and says it too.
+    said_by = {int(NAMED.search(ln).group(5)) for ln in lines}
+    assert sorted(said_by - {rank}) == [r for r in range(4) if r != rank], said
     for ln in lines:
         m = NAMED.search(ln)
         assert (int(m.group(1)), m.group(2), int(m.group(3))) == (rank, node, victim), ln
-    late = [round(t - stopped, 2) for t, _ in named]
+    late = [round(t - stopped, 2) for t, ln in named if int(NAMED.search(ln).group(5)) != rank]
     print(f"{flavor}: named {late} s after SIGSTOP of rank {rank}")
     assert max(late) <= STEP_TIMEOUT_S + 2.0, late
     assert "Traceback" not in said
