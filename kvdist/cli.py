@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config = config_path(args.config)
             return sim.main(args)
         if args.command == "placement":
-            from .sim import placement
+            from .sim.experiment import placement
 
             if args.gpus_per_node is not None and args.gpus_per_node < 1:
                 raise ConfigError("--gpus-per-node", args.gpus_per_node, "must be at least 1")
