@@ -80,7 +80,7 @@ class CacheManager:
         self.host_table = TableRows(rows=table_rows)  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
         self._deferred_release: list[Sequence] = []
-        self._epoch = 0  # end_steps and releases (with the pool's generation: see generation)
+        self._epoch = 0  # end_steps (with the pool's generation: see generation)
         self._transfer_seconds = 0.0
         self.bookkeeping_seconds = 0.0
 
@@ -118,8 +118,9 @@ class CacheManager:
 
     @property
     def generation(self) -> int:
-        """Grows with every change an admission plan depends on (the pool's slots, the
-        fetch policy's figures at end_step, the sequences)."""
+        """Grows with every change an admission plan depends on: the pool's slots and
+        reference counts (``BlockPool.generation``) and, at end_step, the fetch policy's
+        figures."""
         return self._epoch + self.pool.generation
 
     def block_hashes(self, tok: array) -> list[int]:
@@ -351,7 +352,6 @@ class CacheManager:
         freed. If it got tokens in the current step, this happens at ``end_step``."""
         seq = self._get(seq_id)
         del self.seqs[seq_id]
-        self._epoch += 1
         if self._dirty.pop(seq_id, None) is not None:
             # Filled in this step: registered, then freed, at end_step. Out of _dirty, so
             # the same id can be added again in this step.
