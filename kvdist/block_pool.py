@@ -28,7 +28,20 @@ from typing import Protocol
 
 import numpy as np
 
-from .blocks import ACTIVE, CACHED, DISK, FREE, GPU, HOST, LANDING, NO_SLOT, BlockMeta, FreeQueue, FreeStack, SlotSpace
+from .blocks import (
+    ACTIVE,
+    CACHED,
+    DISK,
+    FREE,
+    GPU,
+    HOST,
+    LANDING,
+    NO_SLOT,
+    BlockMeta,
+    FreeQueue,
+    FreeStack,
+    SlotSpace,
+)
 from .counters import CacheCounters
 from .eviction import DEFAULT_PRIORITY, PriorityLRU
 from .fetch_policy import FetchPolicy

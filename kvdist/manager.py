@@ -1,4 +1,8 @@
-"""The single-rank cache: sequences, prefix reuse, the eviction cascade, steps.
+"""The single-rank cache: sequences, admission, prefix reuse, steps. Every change to a
+slot (free lists, eviction lists, reference counts, the eviction cascade and its moves)
+goes through the :class:`~kvdist.block_pool.BlockPool`; admission is a plan
+(``plan``: an :class:`~kvdist.admission_plan.AdmissionPlan`, nothing changed), then
+``commit`` (nano-vllm's ``can_allocate`` -> ``allocate``).
 
 Invariants (``check_invariants`` verifies them):
 
@@ -156,7 +160,8 @@ class CacheManager:
         return self.commit(self.plan(seq_id, tokens, priority))
 
     # -- admission: plan, then commit ---------------------------------------------------------------
-    def plan(self, seq_id: Hashable, tokens: Iterable[int], priority: int = DEFAULT_PRIORITY) -> AdmissionPlan:
+    def plan(self, seq_id: Hashable, tokens: Iterable[int],
+             priority: int = DEFAULT_PRIORITY) -> AdmissionPlan:
         """What admitting the prompt would do now (changes nothing): its block hashes,
         the cached prefix worth reusing (the fetch policy's cut), the GPU slots it needs
         and can have. Raises ValueError for a sequence already admitted, a priority

@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 
 from .block_pool import PoolSnapshot
-from .blocks import ACTIVE, CACHED, FREE, GPU, HOST, NO_SLOT, TIER_NAMES, BlockMeta, SlotSpace
+from .blocks import ACTIVE, CACHED, FREE, HOST, NO_SLOT, TIER_NAMES, BlockMeta, SlotSpace
 from .prefix import PrefixIndex
 from .sequences import Sequence
 
