@@ -57,7 +57,8 @@ def make_backend(cfg: CacheConfig, device: torch.device, gpu: GpuPool, host: Hos
     """The executor and upload path for a cache on ``device`` over these pools.
     ``copy_path`` forces the CUDA copy path (else ``KVDIST_COPY_PATH``, else the fastest);
     ``log`` records every submitted batch (tests)."""
-    groups = gpu.layout.layer_groups(cfg.cache.layer_groups)  # copied by layer group (S5 per layer)
+    layout = gpu.layout  # copied by layer group (S5 per layer)
+    groups = layout.layer_groups(layout.groups_for(cfg.cache.layer_groups, cfg.cache.min_copy_piece))
     if device.type == "cuda":
         from .transfer.cuda import CudaExecutor
 

@@ -129,6 +129,7 @@ class KVCache:
         # table copy runs the compute work queued before it, which must follow the copies.
         stager = self._stager
         rows = manager.table_rows(list(seq_ids), stager.host_buffer)
+        manager.engine.compute_uses(rows)  # S4: later copies touching these slots wait for the kernels
         manager.before_compute()
         return stager.upload_buffer(rows)
 

@@ -126,9 +126,19 @@ class CacheSection(_Section):
     # Copies between the GPU and the host tier go in this many groups of consecutive
     # layers, layer 0's first, each with its own event; compute waits for a group only
     # when it first reads one of its layers (kv_pool). 1: the whole step waits at
-    # block_table. Clamped to model.num_layers. 16 by bench layerwise on the H200
-    # (README: Layer by layer): the wait falls to 6% of the whole step's, copies at full rate.
-    layer_groups: int = Field(default=16, gt=0)
+    # block_table. Clamped to model.num_layers. "auto": as many groups as keep every
+    # piece (a group's slice of a block) at least min_copy_piece bytes: the copy engines
+    # move smaller pieces slowly (H200, scripts/gpu/piece_probe.py: 256 KiB pieces
+    # 54 GB/s one way and 90 both ways; 8 KiB pieces 4 GB/s).
+    layer_groups: int | Literal["auto"] = "auto"
+    min_copy_piece: PositiveSize = 256 * 1024
+
+    @field_validator("layer_groups")
+    @classmethod
+    def _positive_groups(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive int or 'auto'")
+        return v
 
     @field_validator("tokens_per_block")
     @classmethod

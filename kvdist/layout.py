@@ -65,6 +65,13 @@ class KVLayout:
     def blocks_in(self, nbytes: int) -> int:
         return nbytes // self.bytes_per_block
 
+    def groups_for(self, groups: int | str, min_piece: int) -> int:
+        """``cache.layer_groups`` as a count: ``"auto"`` is the most groups (at most one
+        per layer) that keep each group's slice of a block at least ``min_piece`` bytes."""
+        if groups == "auto":
+            groups = self.bytes_per_block // min_piece
+        return max(1, min(int(groups), self.num_layers))
+
     def layer_groups(self, groups: int) -> LayerGroups:
         """The block cut into ``groups`` runs of consecutive layers (at most one per
         layer), as equal as they can be: what a layer-by-layer copy moves at a time."""

@@ -1,4 +1,4 @@
-"""The simulation's attention over the paged pool (``kvdist.sim.attention``): every
+"""The simulation's attention over the paged pool (``kvdist.sim.engine.attention``): every
 kernel, for every segment, equals that segment attended alone with its keys read
 position by position through the block table — whole-block gathers padded with
 ``seqused_k``, decodes packed by K/V head, rows taken from anywhere in the step."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdist.sim.attention import PagedAttention, plan_keys
-from kvdist.sim.paged_decode import available as paged_available
+from kvdist.sim.engine.attention import PagedAttention, plan_keys
+from kvdist.sim.engine.paged_decode import available as paged_available
 
 
 def _reference(pool, table, q, starts, q_lens):

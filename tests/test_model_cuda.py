@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.sim.checks import logits_tolerance
-from kvdist.sim.model import Decoder, Geometry, Segment
-from kvdist.sim.parallel import TensorParallel
+from kvdist.sim.engine.model import Decoder, Geometry, Segment
+from kvdist.sim.engine.parallel import TensorParallel
+from kvdist.sim.experiment.checks import logits_tolerance
 
 from .conftest import make_cfg
 

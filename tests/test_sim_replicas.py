@@ -8,12 +8,12 @@ import torch
 
 import kvdist
 from kvdist.config import WorkloadConfig
-from kvdist.sim.admission import PrefetchGate
-from kvdist.sim.ceiling import StepLog, StepRecord, replay, schedule_log
-from kvdist.sim.integrity import BlockLedger
-from kvdist.sim.router import route, split
-from kvdist.sim.scheduler import Scheduler
-from kvdist.sim.workload import Request, Trace, generate
+from kvdist.sim.engine.scheduler import Scheduler
+from kvdist.sim.experiment.admission import PrefetchGate
+from kvdist.sim.experiment.ceiling import StepLog, StepRecord, replay, schedule_log
+from kvdist.sim.experiment.integrity import BlockLedger
+from kvdist.sim.experiment.router import route, split
+from kvdist.sim.experiment.workload import Request, Trace, generate
 
 from .conftest import make_cfg
 

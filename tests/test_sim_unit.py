@@ -15,15 +15,15 @@ import kvdist
 from kvdist.candidate import plan_capacity
 from kvdist.config import WorkloadConfig
 from kvdist.layout import KVLayout
-from kvdist.sim.clock import Latencies
-from kvdist.sim.driver import CACHE_CALLS, RunOptions, Simulation, run
-from kvdist.sim.integrity import BlockLedger
-from kvdist.sim.metrics import MetricsServer, snapshot_from
-from kvdist.sim.model import Decoder, Geometry, Segment
-from kvdist.sim.parallel import TensorParallel
-from kvdist.sim.report import REQUIRED_KEYS
-from kvdist.sim.scheduler import Scheduler
-from kvdist.sim.workload import Request, Trace, generate
+from kvdist.sim.engine.model import Decoder, Geometry, Segment
+from kvdist.sim.engine.parallel import TensorParallel
+from kvdist.sim.engine.scheduler import Scheduler
+from kvdist.sim.experiment.clock import Latencies
+from kvdist.sim.experiment.driver import CACHE_CALLS, RunOptions, Simulation, run
+from kvdist.sim.experiment.integrity import BlockLedger
+from kvdist.sim.experiment.metrics import MetricsServer, snapshot_from
+from kvdist.sim.experiment.report import REQUIRED_KEYS
+from kvdist.sim.experiment.workload import Request, Trace, generate
 
 from .conftest import make_cfg
 
@@ -278,7 +278,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     """Rule off: the cache hands back a reused block whose K was overwritten. The
     digest check and the logits check must both report it, and the run fails."""
     corrupted, reused_now = [], {}
-    real_create = kvdist.sim.driver.create
+    real_create = kvdist.sim.experiment.driver.create
 
     class CorruptingCache:
         """The cache, but a reused block's K is overwritten once it is handed back."""
@@ -305,7 +305,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     def corrupting_create(cfg, comm=None):
         return CorruptingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.driver, "create", corrupting_create)
+    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", corrupting_create)
     r = run(sim_cfg(tmp_path), RunOptions(out=None, progress=False))
     assert corrupted
     assert not r["ok"]
@@ -367,7 +367,7 @@ def test_metrics_listen_on_loopback_by_default_and_counters_are_exact_integers()
 
 def test_readme_documents_every_metric_label_value():
     """Each label value the endpoint can carry (tiers, copy directions) is in the README."""
-    from kvdist.sim.metrics import MOVES, TIERS
+    from kvdist.sim.experiment.metrics import MOVES, TIERS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme[readme.index("| metric | labels | what |"):]
@@ -407,7 +407,7 @@ def test_default_config_comment_states_the_working_set_it_makes():
     the trace gives (the run's header prints the same figures)."""
     import re
 
-    from kvdist.sim.workload import generate
+    from kvdist.sim.experiment.workload import generate
 
     text = (ROOT / "configs" / "default.yaml").read_text()
     said = re.search(r"working set of ([\d,]+) blocks, ([\d.]+)x the GPU", text)
@@ -419,7 +419,7 @@ def test_default_config_comment_states_the_working_set_it_makes():
 
 # -- run --compare: the trace in real time, once per configuration ----------------------------
 def test_compare_serves_the_trace_three_times_in_real_time(tmp_path):
-    from kvdist.sim.compare import CONFIGS, run_compare
+    from kvdist.sim.experiment.compare import CONFIGS, run_compare
 
     cfg = sim_cfg(tmp_path, requests=40, request_rate=200.0)
     r = run_compare(cfg, RunOptions(out=str(tmp_path / "runs"), progress=False))

@@ -81,11 +81,13 @@ class CudaHarness:
     mark, moves = SimHarness.mark, SimHarness.moves
 
 
-def _run(cfg_factory, name: str, rule_on: bool, path: str | None) -> tuple[dict, dict, CudaHarness]:
+def _run(cfg_factory, name: str, rule_on: bool, path: str | None,
+         groups: int = 1) -> tuple[dict, dict, CudaHarness]:
     fn, (gpu, host), right, (rules_off, tracking_off) = SCENARIOS[name]
-    # Whole-step S5, as these scenarios were written for; waits by layer group have their
-    # own gated test (test_layerwise_cuda.py).
-    cfg = cfg_factory(gpu=gpu, host=host, device="cuda", layer_groups=1)
+    # Whole-step S5, as these scenarios were written for (the rule-off cases); with 2
+    # layer groups every copy between GPU and host goes group by group, each group
+    # following the same group of the batches it depends on (S2 per group).
+    cfg = cfg_factory(gpu=gpu, host=host, device="cuda", layer_groups=groups)
     rules, tracking = (ALL_RULES, "slot") if rule_on else (rules_off, tracking_off)
     h = CudaHarness(cfg, rules, tracking, path)
     try:
@@ -94,10 +96,11 @@ def _run(cfg_factory, name: str, rule_on: bool, path: str | None) -> tuple[dict,
         h.close()
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["whole", "by-layer"])
 @pytest.mark.parametrize("path", ["memcpy-batch", "runs", "per-block"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario_exact_bytes_with_the_rule_on_cuda(cfg_factory, name, path):
-    got, right, h = _run(cfg_factory, name, True, path)
+def test_scenario_exact_bytes_with_the_rule_on_cuda(cfg_factory, name, path, groups):
+    got, right, h = _run(cfg_factory, name, True, path, groups)
     assert got == right
     assert h.expired == 0, "a gate gave up: the rule-on case waited on held work it should not need"
 
@@ -119,9 +122,9 @@ def test_scenario_rule_off_goes_wrong_on_cuda(cfg_factory, name):
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
-    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch: an
-    offload whole (runs merged), an onboard once per layer group (the test geometry has
-    2 layers: 2 groups at most), each block's slice of a group one copy of its own."""
+    """Many scattered blocks move as one cudaMemcpyBatchAsync submission per batch and
+    layer group (the test geometry has 2 layers: 2 groups at most): whole blocks with
+    runs merged, or each block's slice of a group one copy of its own."""
     from kvdist.transfer.batchcopy import coalesce
 
     seams = Seams()
@@ -142,8 +145,8 @@ def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
         cache.synchronize()
         assert torch.equal(h[torch.as_tensor(dst)], g[torch.as_tensor(src)].cpu())
         st = cache.stats()["transfer"]
-        assert st["batches_by_path"] == {"memcpy-batch": 1}
-        runs = len(coalesce(src, dst, 0, h.shape[0])[0])
+        assert st["batches_by_path"] == {"memcpy-batch": groups}
+        runs = len(coalesce(src, dst, 0, h.shape[0])[0]) if groups == 1 else 40 * groups
         assert st["copy_entries"] == runs
         back = rng.permutation(64)[:40]  # host dst -> GPU back: one copy per block and group
         g.zero_()
@@ -156,8 +159,8 @@ def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
         cache.synchronize()
         assert torch.equal(g[torch.as_tensor(back)].cpu(), h[torch.as_tensor(dst)])
         st = cache.stats()["transfer"]
-        assert st["batches_by_path"] == {"memcpy-batch": 1 + groups}
-        assert st["copy_calls_by_path"] == {"memcpy-batch": 1 + groups}
+        assert st["batches_by_path"] == {"memcpy-batch": 2 * groups}
+        assert st["copy_calls_by_path"] == {"memcpy-batch": 2 * groups}
         onboard_entries = 40 * groups if groups > 1 else len(coalesce(dst, back)[0])
         assert st["copy_entries"] == runs + onboard_entries
         assert cache.stats()["transfer_path"] == "memcpy-batch"

@@ -178,3 +178,53 @@ def test_a_batch_limit_submits_demotions_as_they_fill_a_batch():
     names = [(name, len(src), deps) for name, src, _, deps in ex.batches]
     assert names == [("demote", 3, set()), ("demote", 3, set()), ("demote", 3, set()), ("offload", 4, {0})]
     engine.check_invariants()
+
+
+class _ComputeDeps(RecordingExecutor):
+    """Also keeps which compute events (negative indexes) each batch waits for; the
+    compute events in ``done`` count as complete."""
+
+    def __init__(self, space: SlotSpace):
+        super().__init__(space)
+        self.compute_deps: list[set[int]] = []
+        self.done: set[int] = set()
+
+    def submit(self, route, src, dst, deps):
+        self.compute_deps.append({e.index for e in deps if e.index < 0})
+        return super().submit(route, src, dst, deps)
+
+    def is_done(self, event) -> bool:
+        return event.index in self.done
+
+
+def test_s4_makes_only_copies_touching_slots_the_kernels_use_wait():
+    """S4 per slot: after a step whose block table held GPU slots 0 and 1, the next
+    step's offload of slot 0 and onboard into slot 1 wait for the compute stream as it
+    was at begin_step (event -2); an onboard into free slot 3 and a demotion do not.
+    Once that event is done, nothing waits for it."""
+    space = SlotSpace((8, 8, 8))
+    ex = _ComputeDeps(space)
+    engine = TransferEngine(space, ex)
+    G, D = space.base[1], space.base[2]
+    engine.begin_step()  # step 1: compute event -1
+    engine.compute_uses(np.array([[0, 1], [1, -1]], dtype=np.int32))
+    engine.begin_step()  # step 2: compute event -2, covering step 1's kernels
+    engine.copy(OFFLOAD, 0, G + 0)
+    engine.flush()
+    engine.copy(ONBOARD, G + 5, 1)
+    engine.flush()
+    engine.copy(ONBOARD, G + 6, 3)
+    engine.copy(DEMOTE, G + 7, D + 2)
+    engine.flush()
+    assert ex.compute_deps == [{-2}, {-2}, set(), set()]
+    ex.done |= {-1, -2}  # the compute stream is FIFO
+    engine.begin_step()  # step 3: step 2's begin_step event is done, so step 1's kernels are
+    engine.copy(ONBOARD, G + 4, 0)
+    engine.flush()
+    assert ex.compute_deps[-1] == set()
+    engine.compute_uses(np.array([[2]], dtype=np.int32))  # step 3's kernels use slot 2
+    engine.begin_step()  # step 4: event -4
+    engine.copy(OFFLOAD, 2, G + 3)
+    engine.flush()
+    assert ex.compute_deps[-1] == {-4}
+    assert engine.pending_events([2]) and engine.pending_events([5]) == []

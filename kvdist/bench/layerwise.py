@@ -1,21 +1,25 @@
-"""``python -m kvdist bench layerwise``: how long compute waits for onboarding, the whole
-step at once (``cache.layer_groups: 1``) against layer by layer, at equal bytes.
+"""``python -m kvdist bench layerwise``: what onboarding costs a forward step, by block
+size, at equal bytes: the step with copies against the same step without.
 
-Every step onboards ``--blocks`` blocks from the pinned host tier and offloads as many
-(two prompts take turns on a GPU tier that holds one: each evicts the other), then
-runs a forward pass of a Llama-3-8B-shaped layer stack on ``--tokens`` tokens (the
-matmuls of one layer, and a read of that layer's reused K/V through ``kv_pool``),
-32 layers, 2 MiB blocks. Per configuration, medians over the steps:
+Every step onboards 1 GiB (``--gib``) of reused blocks from the pinned host tier and
+offloads as much, then runs a forward pass of a Llama-3-8B-shaped layer stack on
+``--tokens`` tokens (the matmuls of one layer, and a read of that layer's reused K/V
+through ``kv_pool``), 32 layers, 128 KiB of K/V a token, so a block of 128 KiB, 512 KiB
+or 2 MiB holds 1, 4 or 16 tokens. Configurations, side by side:
 
-* compute wait: the time the compute stream stood still at the cache's waits
-  (``stats()["compute_wait_seconds"]``: CUDA events around every wait);
-* step: block_table and the forward pass, start to end on the compute stream;
-* compute slowdown: the forward pass less its waits, against the same forward pass
-  with no copies in flight (SMs or memory bandwidth taken by the copies);
-* onboard GB/s: bytes onboarded over the time the onboard stream spent copying them
-  (its own events), for the batched copies issued whole (1 group) or layer-major.
+* no copies: the prompt stays in the GPU tier (the reference step);
+* serial, layer groups 1 or auto (``cache.layer_groups``): the host schedules a step
+  only once the last one is done, so a step's copies can only hide behind its own
+  forward pass, layer by layer;
+* run ahead: the host schedules step N+1 (its admission's offloads and onboards) while
+  step N computes (three prompts take turns on a GPU tier that holds two): the copies
+  hide behind the step before, at any block size (rule S4 per slot lets them start).
 
-Without CUDA it prints that it needs CUDA and exits 0."""
+Per configuration, medians over the steps (run ahead: the mean time between step ends):
+step ms and its ratio to no copies; compute wait (``stats()["compute_wait_seconds"]``,
+CUDA events around every wait of the compute stream); compute slowdown (the step less
+its waits, against the step without copies); onboard GB/s (the onboard stream's own
+events). Without CUDA it prints that it needs CUDA and exits 0."""
 
 from __future__ import annotations
 
@@ -26,15 +30,19 @@ import statistics
 import torch
 from tabulate import tabulate
 
-MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}  # 2 MiB blocks
+from ..units import parse_size
+
+TOKEN_BYTES = 128 << 10  # 32 layers x 8 K/V heads x 128 dims x K and V x bf16
+MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+PASS = ("no copies", "serial, 1 group", "serial, auto", "run ahead, auto")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvdist bench layerwise", description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, default=512, help="blocks onboarded (and offloaded) a step (512)")
+    p.add_argument("--block-size", default="128KiB,512KiB,2MiB", help="block sizes, at equal bytes")
+    p.add_argument("--gib", type=float, default=1.0, help="GiB onboarded (and offloaded) a step (1)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the forward pass (2048)")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per configuration (12)")
-    p.add_argument("--groups", default="1,8,16,32", help="layer groups compared (1 = whole step)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per configuration (10)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     return p.parse_args(argv)
 
@@ -57,49 +65,77 @@ class _Layers:
         return (a @ self.wo) + (torch.nn.functional.silu(gate) * up) @ self.w2
 
 
-def _run(groups: int, n: int, tokens: int, steps: int, copies: bool) -> dict:
+def _cache(block: int, n: int, groups: int | str, gpu_blocks: int):
     import kvdist
 
-    tpb = 16
-    prompt = lambda base: list(range(base, base + n * tpb)) + [7]  # noqa: E731
-    gpu_blocks = (n + 2) if copies else (2 * n + 4)  # no room for both prompts: they evict each other
-    cache = kvdist.create({"model": MODEL, "cache": {
-        "tokens_per_block": tpb, "device": "cuda", "gpu": {"blocks": gpu_blocks},
-        "host": {"bytes": (2 * n + 8) * (2 << 20)}, "layer_groups": groups}})
+    return kvdist.create({"model": MODEL, "cache": {
+        "tokens_per_block": block // TOKEN_BYTES, "device": "cuda", "gpu": {"blocks": gpu_blocks},
+        "host": {"bytes": (3 * n + 8) * block}, "layer_groups": groups}})
+
+
+def _forward(cache, layers: _Layers, table: torch.Tensor, reused_blocks: int) -> None:
+    blocks = table[0, :reused_blocks].long()[:64]
+    for layer in range(MODEL["num_layers"]):
+        layers.layer(cache.kv_pool(layer)[blocks])
+
+
+def _run(mode: str, block: int, n: int, tokens: int, steps: int) -> dict:
+    """One configuration; ``n`` blocks a prompt."""
+    tpb = block // TOKEN_BYTES
+    prompts = [list(range(k * 10**6, k * 10**6 + n * tpb)) + [7] for k in range(3)]
+    ahead, groups = mode.startswith("run ahead"), "auto" if mode.endswith("auto") else 1
+    turns = 3 if ahead else 1 if mode == "no copies" else 2  # prompts taking turns
+    gpu_blocks = {1: 2 * n + 4, 2: n + 2, 3: 2 * n + 4}[turns]  # room for 2, 1, 2 sequences
+    cache = _cache(block, n, groups, gpu_blocks)
     try:
-        layers = _Layers(tokens, cache.device)
-        stream = torch.cuda.current_stream()
-        rows: list = []
-        for i in range(steps + 3):
+        layers, stream = _Layers(tokens, cache.device), torch.cuda.current_stream()
+        ends, rows, last_end = [], [], None
+        for i in range(steps + 3 * turns):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             wait0 = cache.stats()["compute_wait_seconds"]
             start.record(stream)  # before block_table: a whole-step wait is there
             cache.begin_step()
-            reused = cache.add_sequence(i, prompt(0 if i % 2 else 10**6))
+            reused = cache.add_sequence(i, prompts[i % turns])
             table = cache.block_table([i])
-            blocks = table[0, : reused // tpb].long()
-            for layer in range(MODEL["num_layers"]):
-                layers.layer(cache.kv_pool(layer)[blocks[:64]])
+            _forward(cache, layers, table, reused // tpb)
             end.record(stream)
-            end.synchronize()
             cache.end_step()
-            cache.release(i)
-            cache.synchronize()
-            s = cache.stats()
-            if i >= 3:  # warm-up: the first steps fill the tiers
-                rows.append((start.elapsed_time(end) / 1e3, s["compute_wait_seconds"] - wait0, reused))
+            if ahead:  # the host schedules the next step while this one runs
+                if i:
+                    cache.release(i - 1)
+                if last_end is not None:
+                    last_end.synchronize()
+                last_end = end
+            else:
+                end.synchronize()
+                cache.release(i)
+            if i >= 3 * turns:  # warm-up: the first steps fill the tiers
+                ends.append(end)
+                rows.append((start, end, wait0, reused))
+        torch.cuda.synchronize()
+        waits = _waits(cache, rows)
+        if ahead:
+            step = sum(a.elapsed_time(b) for a, b in zip(ends, ends[1:])) / (len(ends) - 1) / 1e3
+        else:
+            step = statistics.median(s.elapsed_time(e) / 1e3 for s, e, _, _ in rows)
         s = cache.stats()
-        moved = s["blocks_moved"]
-        return {"groups": groups, "copies": copies,
-                "step_ms": 1e3 * statistics.median(r[0] for r in rows),
-                "wait_ms": 1e3 * statistics.median(r[1] for r in rows),
-                "compute_ms": 1e3 * statistics.median(r[0] - r[1] for r in rows),
-                "reused_blocks": rows[-1][2] // tpb, "onboarded": moved["onboard"],
-                "offloaded": moved["offload"],
-                "onboard_gb_per_s": s["fetch_policy"]["host_bytes_per_s"] / 1e9
-                if s["fetch_policy"]["host_bytes_per_s"] else None}
+        rate = s["fetch_policy"]["host_bytes_per_s"]
+        c = cache.config.cache
+        used = cache.layout.groups_for(c.layer_groups, c.min_copy_piece)
+        return {"mode": mode, "block": block, "groups": used,
+                "step_ms": 1e3 * step, "wait_ms": 1e3 * statistics.median(waits),
+                "reused_blocks": rows[-1][3] // tpb, "onboarded": s["blocks_moved"]["onboard"],
+                "onboard_gb_per_s": rate / 1e9 if rate else None}
     finally:
         cache.close()
+
+
+def _waits(cache, rows) -> list[float]:
+    """Compute's wait per measured step: the counter's growth from one step to the next
+    (read once every step's events are done)."""
+    total = cache.stats()["compute_wait_seconds"]
+    marks = [w for _, _, w, _ in rows] + [total]
+    return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,23 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench layerwise needs CUDA")
         return 0
-    groups = [int(g) for g in args.groups.split(",")]
-    base = _run(1, args.blocks, args.tokens, args.steps, copies=False)
-    results = [_run(g, args.blocks, args.tokens, args.steps, copies=True) for g in groups]
-    whole = results[0]["wait_ms"] if groups[0] == 1 else None
-    table = []
-    for r in results:
-        table.append([r["groups"], f"{r['onboarded']:,}", f"{r['wait_ms']:.2f}",
-                      f"{100 * r['wait_ms'] / whole:.1f}%" if whole else "-", f"{r['step_ms']:.1f}",
-                      f"{100 * (r['compute_ms'] / base['compute_ms'] - 1):+.1f}%",
-                      f"{r['onboard_gb_per_s']:.1f}" if r["onboard_gb_per_s"] else "-"])
-    print(f"bench layerwise: {args.blocks} blocks of 2 MiB onboarded and offloaded a step "
-          f"({args.blocks * 2 / 1024:.1f} GiB each way), forward pass of 32 Llama-3-8B layers on "
-          f"{args.tokens} tokens; without copies {base['step_ms']:.1f} ms a step")
-    print(tabulate(table, headers=["layer groups", "blocks onboarded", "compute wait ms/step",
-                                   "of whole step", "step ms", "compute slowdown", "onboard GB/s"],
-                   colalign=("right",) * 7))
+    table, results = [], []
+    for size in args.block_size.split(","):
+        block = parse_size(size)
+        assert block % TOKEN_BYTES == 0 and (block // TOKEN_BYTES) & (block // TOKEN_BYTES - 1) == 0, \
+            f"a block of {size} is not a power of two of 128 KiB tokens"
+        n = int(args.gib * (1 << 30)) // block
+        runs = [_run(mode, block, n, args.tokens, args.steps) for mode in PASS]
+        base = runs[0]
+        for r in runs:
+            r["ratio"] = r["step_ms"] / base["step_ms"]
+            r["slowdown"] = (r["step_ms"] - r["wait_ms"]) / (base["step_ms"] - base["wait_ms"]) - 1
+            table.append([size, r["mode"], r["groups"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x",
+                          f"{r['wait_ms']:.2f}", f"{100 * r['slowdown']:+.1f}%",
+                          f"{r['onboard_gb_per_s']:.1f}" if r["onboard_gb_per_s"] else "-"])
+        results += runs
+    print(f"bench layerwise: {args.gib:g} GiB of blocks onboarded and offloaded a step, forward pass of 32 "
+          f"Llama-3-8B layers on {args.tokens} tokens")
+    print(tabulate(table, headers=["block", "configuration", "groups", "step ms", "vs no copies",
+                                   "compute wait ms", "compute slowdown", "onboard GB/s"],
+                   colalign=("left", "left") + ("right",) * 6))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "no_copies": base, "runs": results}, f, indent=1)
+            json.dump({"args": vars(args), "runs": results}, f, indent=1)
     return 0

@@ -29,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
-    from .driver import RunOptions, StartupFailed, run
+    from .experiment.driver import RunOptions, StartupFailed, run
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
         opts.compare = not replicated and cfg.cache.device != "cpu" and torch.cuda.is_available()
     try:
         if opts.compare:
-            from .compare import CONFIGS, run_compare
+            from .experiment.compare import CONFIGS, run_compare
 
             if not configs or any(c not in CONFIGS for c in configs):
                 raise ConfigError("--configs", args.configs,

@@ -302,10 +302,11 @@ class HostMemory:
         if self._mm is not None:
             # Never mm.close(): tensors from torch.frombuffer do not pin the mapping, and
             # a view that outlived close() would read unmapped memory. The tensors' storage
-            # holds the mmap object; it unmaps when the last view is gone (here, normally).
+            # holds the mmap object; it unmaps when the last view is gone (here, or once an
+            # executor's or the caller's views go: nothing is wrong, so nothing is said).
             if sys.getrefcount(self._mm) > 2:
-                log.warning("host tier memory is still referenced at close: unmapped when the "
-                            "last view of it is released")
+                log.debug("host tier memory is still referenced at close: unmapped when the "
+                          "last view of it is released")
             self._mm = None
         self.unlink()
         if failed is not None:

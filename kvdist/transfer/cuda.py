@@ -23,9 +23,12 @@ Layer by layer (``cache.layer_groups`` > 1): onboards and the GPU half of a fetc
 issued one layer group after the other (layer 0's first), an event after each
 (``Grouped``); ``wait_layer(layer)`` makes the compute stream wait only for the group
 holding that layer, so layer 0's attention starts once layer 0's bytes have landed
-while the rest are still on the wire. Offloads go whole (every copy handed to the
-driver costs the host about 1 µs, and by group a block was 16). Every wait of the
-compute stream is timed between two events on it (``compute_wait_seconds``)."""
+while the rest are still on the wire. Offloads go by group too, and a grouped copy
+waits for group g of the grouped batches it follows before its own group g: an
+onboard into slots an offload is still reading follows it group by group instead of
+waiting for all of it. ``cache.layer_groups: auto`` keeps every piece at least
+``cache.min_copy_piece`` bytes, which the copy engines move at full rate. Every wait of
+the compute stream is timed between two events on it (``compute_wait_seconds``)."""
 
 from __future__ import annotations
 
@@ -133,29 +136,35 @@ class CudaExecutor:
         self._host_wait(op.future, reading=True)
         t0 = time.perf_counter()
         st = self.streams[ONBOARD.stream]
-        self._gpu_wait(st, op.gpu_deps, host_tier=False)
         n = len(op.gpu_slots)
-        op.gpu_event = self._copy(st, op.buffer[:n], self.gpu.raw, np.arange(n), op.gpu_slots)
+        op.gpu_event = self._copy(st, op.buffer[:n], self.gpu.raw, np.arange(n), op.gpu_slots, op.gpu_deps,
+                                  host_tier=False)
         op.gpu_deps = []
         self.submit_seconds["fetch_gpu_half"] += time.perf_counter() - t0
 
-    def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, host_tier: bool) -> None:
+    def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, host_tier: bool,
+                  by_group: list | None = None) -> None:
         """``stream`` waits for the GPU side of ``deps``. A demotion has none: it reads
         host slots with the CPU, so a copy that touches the host tier (``host_tier``)
         waits for it on the host. A copy that only reads the slot a demotion reads
         must wait too: the engine keeps one read entry per slot, so a later write to
         the slot waits for this copy alone and relies on it having waited for all its
-        dependencies."""
+        dependencies. ``by_group``: a copy by layer group collects its ``Grouped``
+        dependencies there instead, to wait for each one's group g before its own
+        group g (group g of a slot's bytes depends on group g alone, rule S2)."""
         for e in deps:
-            if isinstance(e, torch.cuda.Event | Grouped):
-                stream.wait_event(whole(e))
-            elif isinstance(e, DiskOp):
+            if isinstance(e, DiskOp):
                 if e.gpu_pending:
                     self._finish_fetch(e)
-                if e.gpu_event is not None:
-                    stream.wait_event(whole(e.gpu_event))
-                elif host_tier:  # a demotion reads the host slot, a promotion writes it
-                    self._host_wait(e.future, reading=e.route is PROMOTE)
+                if e.gpu_event is None:
+                    if host_tier:  # a demotion reads the host slot, a promotion writes it
+                        self._host_wait(e.future, reading=e.route is PROMOTE)
+                    continue
+                e = e.gpu_event
+            if by_group is not None and isinstance(e, Grouped):
+                by_group.append(e)
+            elif isinstance(e, torch.cuda.Event | Grouped):
+                stream.wait_event(whole(e))
 
     @staticmethod
     def _worker_wait(deps: list) -> None:
@@ -200,39 +209,45 @@ class CudaExecutor:
         return event
 
     # -- one handler per route ------------------------------------------------------------------------
-    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event:
-        # Whole blocks, runs merged: a layer group's slice of each block would hand the
-        # driver blocks x groups copies (about 1 µs of host time each). Compute writing a
-        # slot an offload reads waits for the whole batch before its first layer (on the
-        # H200 compute's wait did not grow: docs/design.md, "Layer-wise onboarding").
-        st = self.streams[OFFLOAD.stream]
-        self._gpu_wait(st, deps, host_tier=True)
-        self.copier.copy(st, self.gpu.raw, self.host.raw, s, d, dst_chunk=self._host_chunk)
-        return self._record(st)
+    def _offload(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
+        # By layer group too when onboards go so: an onboard into a slot this batch still
+        # reads then waits for the group it overwrites, not for the whole batch (S2 per
+        # group), so both directions run at once behind the forward pass.
+        return self._copy(self.streams[OFFLOAD.stream], self.gpu.raw, self.host.raw, s, d, deps,
+                          host_tier=True, dst_chunk=self._host_chunk)
 
     def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
-        st = self.streams[ONBOARD.stream]
-        self._gpu_wait(st, deps, host_tier=True)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(st)
-        ev = self._copy(st, self.host.raw, self.gpu.raw, s, d, src_chunk=self._host_chunk)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(st)
-        self._timed.append((len(s) * self.gpu.raw.shape[1], start, end))
-        return ev
+        return self._copy(self.streams[ONBOARD.stream], self.host.raw, self.gpu.raw, s, d, deps,
+                          host_tier=True, timed=True, src_chunk=self._host_chunk)
 
     def _copy(self, st: torch.cuda.Stream, src_rows: torch.Tensor, dst_rows: torch.Tensor, s: np.ndarray,
-              d: np.ndarray, **chunks: int) -> torch.cuda.Event | Grouped:
-        """One batch on ``st``: whole blocks, or one layer group after the other (each
-        row of a group is a strided slice of its block; runs are not merged then)."""
+              d: np.ndarray, deps: list, *, host_tier: bool, timed: bool = False,
+              **chunks: int) -> torch.cuda.Event | Grouped:
+        """One batch on ``st`` after ``deps``: whole blocks, or one layer group after the
+        other (each row of a group is a strided slice of its block; runs are not merged
+        then), group g waiting for group g of the grouped batches it follows. ``timed``:
+        between two timing events (the onboard rate the fetch policy reads), from the
+        moment its first group may start."""
+        grouped: list[Grouped] | None = [] if self.groups is not None else None
+        self._gpu_wait(st, deps, host_tier, grouped)
+        start = end = None
         if self.groups is None:
+            start = self._record(st, timed)
             self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
-            return self._record(st)
-        events = []
-        for lo, hi in self.groups.spans:
-            self.copier.copy(st, src_rows[:, lo:hi], dst_rows[:, lo:hi], s, d)
-            events.append(self._record(st))
-        return Grouped(events)
+            ev = end = self._record(st, timed)
+        else:
+            events = []
+            for g, (lo, hi) in enumerate(self.groups.spans):
+                for e in grouped:
+                    st.wait_event(e.events[g])
+                if g == 0:
+                    start = self._record(st, timed)
+                self.copier.copy(st, src_rows[:, lo:hi], dst_rows[:, lo:hi], s, d)
+                events.append(self._record(st, timed and g == len(self.groups) - 1))
+            ev, end = Grouped(events), events[-1]
+        if timed:
+            self._timed.append((len(s) * self.gpu.raw.shape[1], start, end))
+        return ev
 
     def _demote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # The CPU reads the host rows: no registration limit.
@@ -275,8 +290,8 @@ class CudaExecutor:
         op.buffer = None
 
     @staticmethod
-    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-        ev = torch.cuda.Event()
+    def _record(stream: torch.cuda.Stream, timing: bool = False) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(stream)
         return ev
 

@@ -10,16 +10,20 @@ Rules enforced here (docs/design.md, "Synchronization rules"):
   D; a copy out of S waits for the pending write to S. Inside one batch copies have no
   order (a batched DMA or gather kernel runs them in parallel), so a copy that would
   conflict with the open batch closes that batch first.
-* S4 — after ``begin_step`` every copy waits for the compute stream as it was then.
+* S4 — a copy that touches a GPU slot the kernels of a step not known complete used
+  (the rows of its block tables, ``compute_uses``) waits for the compute stream as it
+  was at ``begin_step``; other copies (free GPU slots, host and disk slots) do not, so
+  a scheduler running a step ahead moves blocks while the last step's kernels run.
 * S5 — ``before_compute`` submits everything and makes compute wait for it; with
   batches copied by layer group (``layered``), compute instead waits before it reads
   each layer (``before_layer``) for the groups holding that layer.
 
 The engine never touches memory: an executor does the copies and owns the streams
-and events. Per-slot state is three int32 arrays indexed by tracking key (12 bytes a
+and events. Per-slot state is four int32 arrays indexed by tracking key (16 bytes a
 slot): the id of the last batch that wrote the slot and of the last that read it, and
 the mark of the open (not yet submitted) batch touching it, which finds conflicts
-with open batches without Python sets. Events live only for batches in flight (a dict
+with open batches without Python sets; and the step whose kernels used the slot last
+(S4, 4 more bytes). Events live only for batches in flight (a dict
 id -> event), so a stale id simply matches nothing, and the Python work per step is a
 few numpy operations per batch (``copy_many``) plus a small constant per single
 ``copy``, independent of how many blocks exist.
@@ -32,6 +36,7 @@ only adds a spurious wait."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -150,6 +155,13 @@ class TransferEngine:
         self._next_id = 0
         self._interned: dict[object, int] = {}  # tracking="block": block id -> key
         self._stream_last: dict[str, Event] = {}
+        # S4: key -> the step whose block tables held the slot last; the compute stream's
+        # event at each begin_step not known complete; kernels of steps up to
+        # _compute_done are complete.
+        self._compute_mark = np.full(n, _NONE, dtype=np.int32)
+        self._step = 0
+        self._compute_events: deque[tuple[int, Event]] = deque()
+        self._compute_done = _NONE
         self._compute_event = None
         self._layered = False  # the last before_compute left S5 to before_layer
         self.stats = TransferStats()
@@ -169,6 +181,7 @@ class TransferEngine:
                 self._last_write = np.concatenate((self._last_write, grow))
                 self._last_read = np.concatenate((self._last_read, grow))
                 self._mark = np.concatenate((self._mark, grow))
+                self._compute_mark = np.concatenate((self._compute_mark, grow))
         return key
 
     # -- submission -----------------------------------------------------------------------
@@ -274,7 +287,7 @@ class TransferEngine:
             ids = _distinct(np.concatenate((lw[rk], lw[wk], lr[wk], lr[rk])))
             events = self._events
             deps = [events[i] for i in ids.tolist() if i in events]
-        if "S4" in self.rules and self._compute_event is not None:
+        if "S4" in self.rules and self._compute_event is not None and self._kernels_pending(rk, wk):
             deps.append(self._compute_event)
         self.stats.waits += len(deps)
         base_s, base_d = self.space.base[route.src], self.space.base[route.dst]
@@ -296,10 +309,29 @@ class TransferEngine:
 
     # -- step barriers ----------------------------------------------------------------------
     def begin_step(self) -> None:
-        """S4: copies queued from now on wait for the compute stream's work so far."""
+        """S4: copies queued from now on that touch a slot the kernels of an unfinished
+        step use wait for the compute stream's work so far."""
         self.flush()
         self._prune()
-        self._compute_event = self.executor.record_compute() if "S4" in self.rules else None
+        self._step = (self._step + 1) & _ID_MASK
+        self._compute_event = None
+        if "S4" in self.rules:
+            self._compute_event = ev = self.executor.record_compute()
+            self._compute_events.append((self._step, ev))
+
+    def compute_uses(self, gpu_slots: np.ndarray) -> None:
+        """The kernels of this step read and write these GPU slots (tier-local indices,
+        a block table's rows; -1 is padding): a copy touching one waits for them (S4)."""
+        slots = np.asarray(gpu_slots).ravel()
+        self._compute_mark[self.space.base[0] + slots[slots >= 0]] = self._step
+
+    def _kernels_pending(self, rk: np.ndarray, wk: np.ndarray) -> bool:
+        """Whether a batch reading keys ``rk`` and writing ``wk`` touches a slot that
+        kernels not known complete use (keys other than slots: assume so)."""
+        if self.tracking != "slot":
+            return True
+        marks = self._compute_mark
+        return bool(max(marks[rk].max(initial=_NONE), marks[wk].max(initial=_NONE)) > self._compute_done)
 
     def before_compute(self, layered: bool = False) -> None:
         """S5: submit every queued copy; the compute stream waits for all of them, now
@@ -343,8 +375,8 @@ class TransferEngine:
                     self._flush(b.route)
         ids = _distinct(np.concatenate((self._last_write[keys], self._last_read[keys])))
         out = [self._events[i] for i in ids.tolist() if i in self._events]
-        if self._compute_event is not None and int(keys.min()) < self.space.base[1]:
-            out.append(self._compute_event)  # the last step's kernels may write GPU slots
+        if self._compute_event is not None and self._kernels_pending(keys, keys[:0]):
+            out.append(self._compute_event)  # an unfinished step's kernels use one of them
         return out
 
     def writes_pending(self, slots) -> np.ndarray:
@@ -366,8 +398,9 @@ class TransferEngine:
 
     @property
     def nbytes(self) -> int:
-        """Per-slot tracking memory (12 bytes a slot), for metadata accounting."""
-        return self._last_write.nbytes + self._last_read.nbytes + self._mark.nbytes
+        """Per-slot tracking memory (16 bytes a slot), for metadata accounting."""
+        arrays = (self._last_write, self._last_read, self._mark, self._compute_mark)
+        return sum(a.nbytes for a in arrays)
 
     def check_invariants(self) -> None:
         """Every key an open batch touches carries that batch's live mark, read or
@@ -395,5 +428,9 @@ class TransferEngine:
         done = self.executor.is_done
         for bid in [bid for bid, ev in self._events.items() if done(ev)]:
             del self._events[bid]
+        # The compute stream is FIFO: its event at step k's begin_step done = the
+        # kernels of every step before k complete.
+        while self._compute_events and done(self._compute_events[0][1]):
+            self._compute_done = self._compute_events.popleft()[0] - 1
         for k in [k for k, e in self._stream_last.items() if done(e)]:
             del self._stream_last[k]

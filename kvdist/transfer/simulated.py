@@ -9,7 +9,8 @@ ordering the engine forgot to declare is therefore violated, and shows up as wro
 bytes. Tests may ``hold`` a stream and ``release`` it step by step.
 
 With layer groups (``cache.layer_groups`` > 1) a batch between the GPU and the host
-tier is one operation per group, layer 0's first, and its event is a ``SimGroups``:
+tier is one operation per group, layer 0's first, each following group g of the
+grouped batches it depends on (S2 per group), and its event is a ``SimGroups``:
 ``compute_wait(events, layer)`` forces only the operations up to that layer's group,
 so a layer read before its group was waited for still holds the old bytes."""
 
@@ -115,10 +116,12 @@ class SimExecutor:
             self.log.append((route.name, list(src), list(dst)))
         src, dst = src[::-1], dst[::-1]  # no order inside a batch: run it backwards
         if self.groups is not None and route in (OFFLOAD, ONBOARD):
-            copy = self.copies.run_span
+            # Group g waits for group g of the grouped batches it follows (as on CUDA).
+            copy, deps = self.copies.run_span, deps or []
             return SimGroups([self.enqueue(route.stream, self._timed(
-                route, len(src) * (hi - lo), lambda span=(lo, hi): copy(route, src, dst, span)), deps)
-                for lo, hi in self.groups.spans])
+                route, len(src) * (hi - lo), lambda span=(lo, hi): copy(route, src, dst, span)),
+                [e.ops[g] if isinstance(e, SimGroups) else e for e in deps])
+                for g, (lo, hi) in enumerate(self.groups.spans)])
         nbytes = len(src) * (self.copies.gpu.raw.shape[1] if self.copies is not None else 0)
         return self.enqueue(route.stream, self._timed(
             route, nbytes, lambda: self.copies.run(route, src, dst, vectorized=False)), deps)

@@ -8,7 +8,7 @@ blocks, a few prefills that reuse most of their prompt next to decodes of long
 contexts) is timed piece by piece, per layer, side by side in one run:
 
 * the keys gathered token by token (two index tensors: kvdist before 2026-12-01) vs
-  block by block (``index_select`` of whole 16-token blocks: ``kvdist.sim.attention``);
+  block by block (``index_select`` of whole 16-token blocks: ``kvdist.sim.engine.attention``);
 * attention as before (that gather, one FlashAttention call over exact key lengths) vs
   now (whole blocks with ``seqused_k``; decodes in a call of their own, query heads
   packed as rows of their K/V head), and how far their outputs differ;
@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from kvdist.sim.attention import PagedAttention, plan_keys
-from kvdist.sim.model import Decoder, Geometry, Segment
-from kvdist.sim.parallel import TensorParallel
+from kvdist.sim.engine.attention import PagedAttention, plan_keys
+from kvdist.sim.engine.model import Decoder, Geometry, Segment
+from kvdist.sim.engine.parallel import TensorParallel
 
 
 def _token_plan(table, starts, q_lens, tpb):

@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from kvdist.sim.model import Decoder, Geometry, Segment
-from kvdist.sim.parallel import TensorParallel
+from kvdist.sim.engine.model import Decoder, Geometry, Segment
+from kvdist.sim.engine.parallel import TensorParallel
 
 SHAPES = [  # (prefills, prefill tokens, decodes), context 3,800
     (0, 0, 6), (0, 0, 32), (1, 600, 6), (1, 2000, 6), (3, 600, 22)]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.sim.driver import RunOptions, run
-from kvdist.sim.model import Decoder, Geometry
-from kvdist.sim.parallel import TensorParallel
-from kvdist.sim.placement import placements
-from kvdist.sim.report import REQUIRED_KEYS
+from kvdist.sim.engine.model import Decoder, Geometry
+from kvdist.sim.engine.parallel import TensorParallel
+from kvdist.sim.experiment.driver import RunOptions, run
+from kvdist.sim.experiment.placement import placements
+from kvdist.sim.experiment.report import REQUIRED_KEYS
 from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.mpi
@@ -33,7 +33,7 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     every reused prefix (as a diverged cache would)."""
     from mpi4py import MPI
 
-    real_create = kvdist.sim.driver.create
+    real_create = kvdist.sim.experiment.driver.create
 
     class LyingCache:
         """The cache, but ``rank`` reports 4 more reused tokens than it reused."""
@@ -51,7 +51,7 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     def lying_create(cfg, comm=None):
         return LyingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.driver, "create", lying_create)
+    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", lying_create)
 
 
 def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory):

@@ -22,8 +22,8 @@ from unittest import mock
 import torch
 from tabulate import tabulate
 
-from ..candidate import select_device
-from ..distributed.comm import resolve
+from ...candidate import select_device
+from ...distributed.comm import resolve
 
 
 @dataclass(frozen=True, slots=True)

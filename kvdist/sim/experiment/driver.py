@@ -29,23 +29,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import process
-from ..cache import KVCache, create
-from ..config import CacheConfig
-from ..dtypes import torch_dtype
-from ..errors import ConsistencyError, KVDistError
+from ... import process
+from ...cache import KVCache, create
+from ...config import CacheConfig
+from ...dtypes import torch_dtype
+from ...errors import ConsistencyError, KVDistError
+from ..engine.model import Decoder, Geometry, Segment, compute_dtype_for
+from ..engine.parallel import TensorParallel
+from ..engine.scheduler import Running, Scheduler, StepPlan
 from .checks import CheckCounts, Verifier
 from .clock import Latencies, RealTime, StepTime
 from .integrity import BlockLedger
 from .metrics import MetricsServer, Timeline, snapshot_from
-from .model import Decoder, Geometry, Segment, compute_dtype_for
-from .parallel import TensorParallel
 from .placement import placements
 from .plots import write_plots
 from .preflight import StartupFailed, preflight
 from .report import human_bytes, new_run_dir, point_latest, render, write_results
 from .results import RunFacts, assemble
-from .scheduler import Running, Scheduler, StepPlan
 from .shadows import Shadows
 from .workload import Trace, generate
 
@@ -77,7 +77,7 @@ class _Clock:
 
 class Simulation:
     """One rank's part of the run. A job of several replicas runs one per replica
-    (:mod:`kvdist.sim.replicas` overrides the ``_make_*`` hooks and the reporting).
+    (:mod:`kvdist.sim.experiment.replica_job` overrides the ``_make_*`` hooks and the reporting).
     ``model``: a model built already (``compare`` runs one for every configuration);
     ``realtime``: arrivals in seconds of real time (no bookkeeping replays), else in
     scheduler steps; ``label``: the configuration's name in a comparison (the results
@@ -450,7 +450,7 @@ class Simulation:
 def run(cfg: CacheConfig, opts: RunOptions | None = None, comm=None) -> dict:
     """The whole job on every rank of ``comm`` (collective); returns the results."""
     if cfg.distributed.tp_size:
-        from .replicas import run_replicas  # it builds on this module
+        from .replica_job import run_replicas  # it builds on this module
 
         return run_replicas(cfg, opts or RunOptions(), comm)
     sim = Simulation(cfg, opts or RunOptions(), comm)

@@ -7,8 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ..blocks import TIER_NAMES as TIERS
-from ..transfer.routes import ROUTE_NAMES as MOVES
+from ...blocks import TIER_NAMES as TIERS
+from ...transfer.routes import ROUTE_NAMES as MOVES
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cache import KVCache, create
-from ..config import CacheConfig
-from ..layout import KVLayout
+from ...cache import KVCache, create
+from ...config import CacheConfig
+from ...layout import KVLayout
 from .workload import Request
 
 POLICIES = ("gpu-only", "no reuse")

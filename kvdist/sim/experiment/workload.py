@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from ..config import WorkloadConfig
+from ...config import WorkloadConfig
 
 
 @dataclass(slots=True)

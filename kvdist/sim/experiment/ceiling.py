@@ -6,7 +6,7 @@ decode appends, finished requests). After the run the logs are merged by clock â
 steps the replicas took at the same moment become one step of the one cache (the k-th
 step of every replica within one tick of the clock together) â€” and replayed through a
 cache of ``R x`` one replica's blocks in every tier
-(:func:`~kvdist.sim.shadows.bookkeeping_cache`). That is what sharing could reach at
+(:func:`~kvdist.sim.experiment.shadows.bookkeeping_cache`). That is what sharing could reach at
 best on exactly the requests and steps the replicas ran: every block any replica
 computed is visible to all, none is held twice. The same replay of one replica's
 log at its own capacity is that replica isolated."""
@@ -17,8 +17,8 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..config import CacheConfig
-from .scheduler import Scheduler, StepPlan
+from ...config import CacheConfig
+from ..engine.scheduler import Scheduler, StepPlan
 from .shadows import bookkeeping_cache, replay_step
 from .workload import Trace
 

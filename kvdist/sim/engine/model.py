@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import CacheConfig
+from ...config import CacheConfig
 from .attention import PagedAttention, flash_available, plan_keys
 from .graphs import DEFAULT_BUCKETS, StepGraphs
 from .paged_decode import available as paged_available

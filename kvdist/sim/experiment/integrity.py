@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..layout import KVLayout
+from ...layout import KVLayout
 
 _CHUNK_BYTES = 64 << 20  # bound on the digest's int64 temporaries
 

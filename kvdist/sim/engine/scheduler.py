@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..errors import ConfigError
-from .workload import Request, Trace
+from ...errors import ConfigError
+from ..experiment.workload import Request, Trace
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.model import Decoder
+from ..engine.scheduler import StepPlan
 from .integrity import BlockLedger
-from .model import Decoder
-from .scheduler import StepPlan
 
 _CHUNK_BYTES = 1 << 30  # reused blocks gathered at once for their digests
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from ..distributed import comm as dist_comm
+from ...distributed import comm as dist_comm
 
 
 class TensorParallel:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
-from ..blocks import TIER_NAMES
-from ..config import CacheConfig
+from ...blocks import TIER_NAMES
+from ...config import CacheConfig
 from .ceiling import StepLog, replay
 from .driver import RunOptions
 from .report import check_lines, human_bytes, new_run_dir, point_latest, write_results

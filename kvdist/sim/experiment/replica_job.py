@@ -2,7 +2,7 @@
 
 Replica r is ranks ``r*T .. r*T+T-1`` (the cache's ``replica``/``tp_rank``); each is a
 TP group running its own scheduler over the requests the router sends it
-(:mod:`kvdist.sim.router`, ``workload.routing``), its model's allreduces on the TP
+(:mod:`kvdist.sim.experiment.router`, ``workload.routing``), its model's allreduces on the TP
 group's communicator. Inside a replica the ranks take identical decisions (SPMD; the
 prefetch gate agrees on timing inside the group). Replicas are not coupled after
 start-up: nothing spans them during a run, only at its end (the integrity references,
@@ -10,9 +10,9 @@ the report).
 
 The trace runs twice, side by side in one job: replicas isolated (the remote tier
 off), then sharing (on). The sharing run's steps are then replayed through ONE
-bookkeeping cache of the replicas' total capacity (:mod:`kvdist.sim.ceiling`): the
+bookkeeping cache of the replicas' total capacity (:mod:`kvdist.sim.experiment.ceiling`): the
 gap in computed prefill tokens between isolated replicas and that ceiling, and how
-much of it sharing closed, are the job's headline (:mod:`kvdist.sim.replica_report`)."""
+much of it sharing closed, are the job's headline (:mod:`kvdist.sim.experiment.replica_report`)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 
-from ..config import CacheConfig
+from ...config import CacheConfig
+from ..engine.parallel import TensorParallel
+from ..engine.scheduler import Scheduler, StepPlan
 from .admission import PrefetchGate
 from .ceiling import StepLog
 from .driver import Running, RunOptions, Simulation
-from .parallel import TensorParallel
 from .router import route, split
-from .scheduler import Scheduler, StepPlan
 from .workload import Trace, generate
 
 STAT_KEYS = ("hit_tokens", "prompt_tokens", "bytes_offloaded", "bytes_onboarded", "bytes_demoted",

@@ -4,9 +4,9 @@ metrics port can be bound. And how a failed start reaches the command line."""
 
 from __future__ import annotations
 
-from .. import paths
-from ..distributed import comm as dist_comm
-from ..errors import ConfigError, KVDistError
+from ... import paths
+from ...distributed import comm as dist_comm
+from ...errors import ConfigError, KVDistError
 from .metrics import MetricsServer
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from ..config import CacheConfig
-from ..storage.gpu import torch_dtype
+from ...config import CacheConfig
+from ...storage.gpu import torch_dtype
+from ..engine.model import Decoder, Geometry, compute_dtype_for
+from ..engine.parallel import TensorParallel
 from .driver import RunOptions, Simulation
-from .model import Decoder, Geometry, compute_dtype_for
-from .parallel import TensorParallel
 from .placement import placements
 from .report import new_run_dir, point_latest, write_results
 

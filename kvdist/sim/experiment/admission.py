@@ -22,7 +22,7 @@ class Prefetching(Protocol):
 
 
 class PrefetchGate:
-    """An :class:`~kvdist.sim.scheduler.AdmissionGate` over ``cache.prefetch``."""
+    """An :class:`~kvdist.sim.engine.scheduler.AdmissionGate` over ``cache.prefetch``."""
 
     def __init__(self, cache: Prefetching):
         self.cache = cache

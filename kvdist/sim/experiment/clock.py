@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .parallel import TensorParallel
+from ..engine.parallel import TensorParallel
 from .workload import Request
 
 
