@@ -73,12 +73,16 @@ gpu-check:
 gpu-test: gpu-check
 	CUDA_MODULE_LOADING=EAGER $(GPU_PY) -m pytest -q -p no:cacheprovider -rfEs -m gpu tests
 
+# Each benchmark prints its table; then every figure next to its goal (PASS / MISS).
+GPU_BENCH_DIR ?= runs/gpu-bench
 gpu-bench: export TQDM_DISABLE := 1
 gpu-bench: gpu-check
-	$(GPU_PY) -m kvdist bench transfer
-	$(GPU_PY) -m kvdist bench layerwise
+	mkdir -p $(GPU_BENCH_DIR)
+	$(GPU_PY) -m kvdist bench transfer --json $(GPU_BENCH_DIR)/transfer.json
+	$(GPU_PY) -m kvdist bench layerwise --json $(GPU_BENCH_DIR)/layerwise.json
 	$(GPU_PY) -m kvdist bench staging
-	$(GPU_PY) -m kvdist bench pin --repeat 2
+	$(GPU_PY) -m kvdist bench pin --repeat 2 --json $(GPU_BENCH_DIR)/pin.json
+	$(GPU_PY) -m kvdist bench goals $(GPU_BENCH_DIR)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

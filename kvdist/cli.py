@@ -17,8 +17,8 @@ benchmarks, or show where each rank runs. Start several ranks with
 launch/kvdist-launch -n 4 run (or under mpiexec); one process runs alone. A config
 or option mistake prints one line naming it and exits with status 2."""
 
-BENCHES = ("manager", "scale", "transfer", "layerwise", "staging", "pin", "disk", "consensus", "drills",
-           "remote")
+BENCHES = ("manager", "scale", "transfer", "layerwise", "staging", "pin", "goals", "disk", "consensus",
+           "drills", "remote")
 
 
 def _parser() -> argparse.ArgumentParser:

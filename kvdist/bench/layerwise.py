@@ -13,19 +13,24 @@ or 2 MiB holds 1, 4 or 16 tokens. Configurations, side by side:
   forward pass, layer by layer;
 * run ahead: the host schedules step N+1 (its admission's offloads and onboards) while
   step N computes (three prompts take turns on a GPU tier that holds two): the copies
-  hide behind the step before, at any block size (rule S4 per slot lets them start).
+  hide behind the step before, at any block size (rule S4 per slot lets them start);
+  and the same loop on a GPU tier that holds all three (no copies), its reference.
 
-Per configuration, medians over the steps (run ahead: the mean time between step ends):
-step ms and its ratio to no copies; compute wait (``stats()["compute_wait_seconds"]``,
-CUDA events around every wait of the compute stream); compute slowdown (the step less
-its waits, against the step without copies); onboard GB/s (the onboard stream's own
-events). Without CUDA it prints that it needs CUDA and exits 0."""
+Per configuration, over the measured steps: step ms (wall time a step; running ahead,
+the mean over the run, host and GPU overlapping) and its ratio to no copies; host ms
+(``begin_step`` to ``block_table``: admission, eviction, handing copies to the driver);
+forward ms (the GPU from the first layer's kernels to the last's, waits included);
+compute wait (``stats()["compute_wait_seconds"]``: CUDA events around every wait of the
+compute stream); compute slowdown (the forward pass less its waits, against the one
+without copies); onboard GB/s (the onboard stream's own events). Without CUDA it
+prints that it needs CUDA and exits 0."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 
 import torch
 from tabulate import tabulate
@@ -34,7 +39,7 @@ from ..units import parse_size
 
 TOKEN_BYTES = 128 << 10  # 32 layers x 8 K/V heads x 128 dims x K and V x bf16
 MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
-PASS = ("no copies", "serial, 1 group", "serial, auto", "run ahead, auto")
+PASS = ("no copies", "serial, 1 group", "serial, auto", "run ahead, no copies", "run ahead, auto")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -85,18 +90,24 @@ def _run(mode: str, block: int, n: int, tokens: int, steps: int) -> dict:
     prompts = [list(range(k * 10**6, k * 10**6 + n * tpb)) + [7] for k in range(3)]
     ahead, groups = mode.startswith("run ahead"), "auto" if mode.endswith("auto") else 1
     turns = 3 if ahead else 1 if mode == "no copies" else 2  # prompts taking turns
-    gpu_blocks = {1: 2 * n + 4, 2: n + 2, 3: 2 * n + 4}[turns]  # room for 2, 1, 2 sequences
+    room = 3 if ahead and mode.endswith("no copies") else 1 if turns == 2 else 2  # sequences the GPU holds
+    gpu_blocks = room * (n + 1) + 2
     cache = _cache(block, n, groups, gpu_blocks)
     try:
         layers, stream = _Layers(tokens, cache.device), torch.cuda.current_stream()
-        ends, rows, last_end = [], [], None
-        for i in range(steps + 3 * turns):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            wait0 = cache.stats()["compute_wait_seconds"]
-            start.record(stream)  # before block_table: a whole-step wait is there
+        warm = 3 * turns  # the first steps fill the tiers
+        host, gpu, walls, last_end = [], [], [], None
+        for i in range(warm + steps):
+            if i == warm:
+                torch.cuda.synchronize()
+                wait0, t_first = cache.stats()["compute_wait_seconds"], time.perf_counter()
+            t0 = time.perf_counter()
             cache.begin_step()
             reused = cache.add_sequence(i, prompts[i % turns])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)  # before block_table: a whole-step wait (S5) is there
             table = cache.block_table([i])
+            t1 = time.perf_counter()
             _forward(cache, layers, table, reused // tpb)
             end.record(stream)
             cache.end_step()
@@ -109,33 +120,23 @@ def _run(mode: str, block: int, n: int, tokens: int, steps: int) -> dict:
             else:
                 end.synchronize()
                 cache.release(i)
-            if i >= 3 * turns:  # warm-up: the first steps fill the tiers
-                ends.append(end)
-                rows.append((start, end, wait0, reused))
+            if i >= warm:
+                host.append(t1 - t0)
+                gpu.append((start, end))
+                walls.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-        waits = _waits(cache, rows)
-        if ahead:
-            step = sum(a.elapsed_time(b) for a, b in zip(ends, ends[1:])) / (len(ends) - 1) / 1e3
-        else:
-            step = statistics.median(s.elapsed_time(e) / 1e3 for s, e, _, _ in rows)
+        wall = (time.perf_counter() - t_first) / steps if ahead else statistics.median(walls)
         s = cache.stats()
         rate = s["fetch_policy"]["host_bytes_per_s"]
         c = cache.config.cache
         used = cache.layout.groups_for(c.layer_groups, c.min_copy_piece)
         return {"mode": mode, "block": block, "groups": used,
-                "step_ms": 1e3 * step, "wait_ms": 1e3 * statistics.median(waits),
-                "reused_blocks": rows[-1][3] // tpb, "onboarded": s["blocks_moved"]["onboard"],
-                "onboard_gb_per_s": rate / 1e9 if rate else None}
+                "step_ms": 1e3 * wall, "host_ms": 1e3 * statistics.median(host),
+                "forward_ms": statistics.median(a.elapsed_time(b) for a, b in gpu),
+                "wait_ms": 1e3 * (s["compute_wait_seconds"] - wait0) / steps, "reused_blocks": reused // tpb,
+                "onboarded": s["blocks_moved"]["onboard"], "onboard_gb_per_s": rate / 1e9 if rate else None}
     finally:
         cache.close()
-
-
-def _waits(cache, rows) -> list[float]:
-    """Compute's wait per measured step: the counter's growth from one step to the next
-    (read once every step's events are done)."""
-    total = cache.stats()["compute_wait_seconds"]
-    marks = [w for _, _, w, _ in rows] + [total]
-    return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,19 +151,20 @@ def main(argv: list[str] | None = None) -> int:
             f"a block of {size} is not a power of two of 128 KiB tokens"
         n = int(args.gib * (1 << 30)) // block
         runs = [_run(mode, block, n, args.tokens, args.steps) for mode in PASS]
-        base = runs[0]
-        for r in runs:
+        for r in runs:  # against the same loop without copies
+            base = runs[3 if r["mode"].startswith("run ahead") else 0]
             r["ratio"] = r["step_ms"] / base["step_ms"]
-            r["slowdown"] = (r["step_ms"] - r["wait_ms"]) / (base["step_ms"] - base["wait_ms"]) - 1
+            r["slowdown"] = (r["forward_ms"] - r["wait_ms"]) / base["forward_ms"] - 1
             table.append([size, r["mode"], r["groups"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}x",
-                          f"{r['wait_ms']:.2f}", f"{100 * r['slowdown']:+.1f}%",
+                          f"{r['host_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['wait_ms']:.2f}",
+                          f"{100 * r['slowdown']:+.1f}%",
                           f"{r['onboard_gb_per_s']:.1f}" if r["onboard_gb_per_s"] else "-"])
         results += runs
     print(f"bench layerwise: {args.gib:g} GiB of blocks onboarded and offloaded a step, forward pass of 32 "
           f"Llama-3-8B layers on {args.tokens} tokens")
     print(tabulate(table, headers=["block", "configuration", "groups", "step ms", "vs no copies",
-                                   "compute wait ms", "compute slowdown", "onboard GB/s"],
-                   colalign=("left", "left") + ("right",) * 6))
+                                   "host ms", "forward ms", "compute wait ms", "compute slowdown",
+                                   "onboard GB/s"], colalign=("left", "left") + ("right",) * 8))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": results}, f, indent=1)

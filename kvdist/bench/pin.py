@@ -9,6 +9,7 @@ kvdist side is prefaulted plain memory against ``torch.zeros`` (allocate + fault
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import platform
 import time
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="prefault threads (0: one per core, at most 16)")
     p.add_argument("--no-huge-pages", action="store_true", help="do not madvise(MADV_HUGEPAGE)")
     p.add_argument("--repeat", type=int, default=1, help="runs per size; the best of each side is shown")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--no-warm", action="store_true",
                    help="skip touching the largest size once before timing (VMs back guest memory "
                         "lazily: whichever side ran first would pay for it)")
@@ -131,7 +133,7 @@ def main(argv: list[str]) -> int:
     if not args.no_warm:
         print(f"warming: faulting {gib(max(sizes), 1)} once, untimed ... ", end="", flush=True)
         print(f"{_warm(max(sizes)):.2f} s")
-    rows = []
+    rows, figures = [], []
     for n in sizes:
         best_t = best_k = None
         for r in range(args.repeat):
@@ -151,6 +153,7 @@ def main(argv: list[str]) -> int:
             continue
         (tt, tbw), (kt, kbw, tm, close_s) = best_t, best_k
         gb = n / 1e9
+        figures.append({"bytes": n, "torch_s": tt, "kvdist_s": kt, "speedup": tt / kt, "cuda": cuda})
         rows.append([f"{n / GiB:g} GiB", f"{tt:.2f}", f"{gb / tt:.2f}", f"{kt:.2f}", f"{gb / kt:.2f}",
                      f"{tt / kt:.1f}x", tm.method, tm.chunks, f"{tm.longest_call_s * 1e3:.0f}",
                      f"{tm.register_s:.2f}", f"{close_s:.2f}",
@@ -161,5 +164,8 @@ def main(argv: list[str]) -> int:
                                   "H2D torch GB/s", "H2D kvdist GB/s"]))
     print("goal: kvdist >= 4x torch.empty(pin_memory=True), end to end "
           "(allocation + prefault + registration)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sizes": figures}, f, indent=1)
     return 0
 

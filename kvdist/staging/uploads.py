@@ -8,11 +8,13 @@ the host buffers and decides, from the markers, when a buffer may be written aga
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from .. import cudart
 from ..transfer.simulated import SimExecutor
 
 __all__ = ["POISON", "CudaH2D", "ImmediateH2D", "SimH2D", "Upload"]
@@ -50,27 +52,60 @@ def _cpu_empty(like: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     return torch.from_numpy(arr), arr
 
 
+_TYPESTR = {torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8",
+            torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8", torch.bool: "|b1"}
+
+
+class _Mapped:
+    """A CUDA view of pinned host memory: under unified addressing a page-locked
+    buffer's host address is also its device address."""
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
+                                         "data": (t.data_ptr(), False), "version": 3}
+
+
+def _unified_addressing(device: torch.device) -> bool:
+    """Whether pinned host memory has the same address on ``device`` (the CUDA runtime's
+    cudaDevAttrUnifiedAddressing)."""
+    lib, _ = cudart.load()
+    if lib is None:
+        return False
+    value = ctypes.c_int(0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lib.cudaDeviceGetAttribute(ctypes.byref(value), 41, index) == 0 and value.value == 1
+
+
 class CudaH2D:
-    """Non-blocking copies from pinned memory on a CUDA stream (the current stream
-    unless one is given: the stream whose kernels read the table), each followed by an
-    event. The slot's event is re-recorded rather than created anew, so a steady step
-    creates no CUDA objects."""
+    """Copies from pinned memory on a CUDA stream (the current stream unless one is
+    given: the stream whose kernels read the table), each followed by an event. The
+    copy is a small kernel reading the pinned buffer through its device mapping (the
+    default), not a DMA: a DMA on the compute stream queues behind the onboard stream's
+    batches on the host->device copy engine, so a step the scheduler ran ahead of would
+    wait for the next step's copies before its first kernel (19 ms of 64 on the H200,
+    scripts/gpu/runahead_probe.py). ``zero_copy=False``: the DMA. The slot's event is
+    re-recorded rather than created anew, so a steady step creates no CUDA objects."""
 
     path = "cuda"
     pinned = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, zero_copy: bool = True):
         self.device = device
+        self.zero_copy = zero_copy and _unified_addressing(device)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def to_device(self, src: torch.Tensor, stream=None, reuse=None):
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device)
-            dst = src.to(self.device, non_blocking=True)
-        else:  # allocate on that stream too, so the allocator orders reuse after its kernels
-            with torch.cuda.stream(stream):
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        with torch.cuda.stream(stream):  # allocated on that stream: reuse follows its kernels
+            if self.zero_copy and src.numel():
+                assert src.is_contiguous() and src.dtype in _TYPESTR, f"cannot stage {src.dtype} {src.shape}"
+                mapped = torch.as_tensor(_Mapped(src), device=self.device)
+                dst = torch.empty(mapped.shape, dtype=torch.uint8, device=self.device)
+                torch.bitwise_or(mapped, 0, out=dst)  # an SM kernel reads the pinned bytes
+                dst = dst.view(src.dtype).view(src.shape)
+            else:
                 dst = src.to(self.device, non_blocking=True)
         event = reuse if isinstance(reuse, torch.cuda.Event) else torch.cuda.Event()
         event.record(stream)
