@@ -28,7 +28,7 @@ class AdmissionPlan(NamedTuple):
     priority: int
     hashes: list[int]  # chained hashes of every full block ([] with reuse off)
     reusable: int  # leading blocks that may be reused: all full blocks but one leaving no token
-    matched: int  # leading blocks cached here in any tier (before the fetch policy's cut)
+    matched: int  # leading blocks cached here in any tier (before the recompute policy's cut)
     hits: list[int]  # the slots reused, in prompt order (after the cut)
     hit_tiers: list[int] | None  # the tier of each matched block, when some are not on the GPU
     on_gpu: int  # hits already on the GPU

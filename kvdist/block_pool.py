@@ -44,8 +44,8 @@ from .blocks import (
 )
 from .counters import CacheCounters
 from .eviction import DEFAULT_PRIORITY, PriorityLRU
-from .fetch_policy import FetchPolicy
 from .prefix import MASK64, PrefixIndex
+from .recompute_policy import RecomputePolicy
 from .transfer import PROMOTE, Route, TransferEngine, route
 
 __all__ = ["BlockPool", "HostObserver", "PoolSnapshot"]
@@ -77,7 +77,7 @@ class BlockPool:
     """Free lists, eviction lists and pending moves of every tier (module docstring)."""
 
     def __init__(self, space: SlotSpace, meta: BlockMeta, index: PrefixIndex, engine: TransferEngine,
-                 policy: FetchPolicy, counters: CacheCounters, offload_min_priority: int = 0):
+                 policy: RecomputePolicy, counters: CacheCounters, offload_min_priority: int = 0):
         cap = space.capacity
         self.space, self.meta, self.index, self.engine = space, meta, index, engine
         self.policy, self.counters = policy, counters
@@ -278,7 +278,7 @@ class BlockPool:
         if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
             for along in self._colder[tier]:
                 if not self.policy.worth_storing(along.dst):
-                    continue  # never fetched back from there: drop, do not write it
+                    continue  # never onboarded back from there: drop, do not write it
                 dst = self._take(along.dst)
                 if dst != NO_SLOT:
                     self.move(slot, dst, along)

@@ -44,7 +44,8 @@ PositiveSize = Annotated[int, BeforeValidator(_positive_size)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No key means anything at infinity or NaN (an infinite rate or timeout is a hang).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -101,7 +102,7 @@ class DiskTierConfig(_Section):
     # offload then lands in a slot no disk write is still reading (no host wait).
     demote_ahead: float = Field(default=0.05, ge=0, lt=1)
     # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
-    # a slow disk, e.g. to watch the fetch-or-recompute policy turn it down.
+    # a slow disk, e.g. to watch the onboard-or-recompute policy turn it down.
     max_read_bytes_per_s: Size = 0
 
     @field_validator("path")
@@ -120,7 +121,7 @@ class CacheSection(_Section):
     offload_min_priority: int = Field(default=0, ge=0, le=100)
     # Onboard a host or disk hit only when its expected copy time (bytes / the tier's
     # measured bandwidth) is below the expected time to recompute it (measured prefill
-    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Fetch or recompute".
+    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Onboard or recompute".
     recompute_when_faster: bool = True
     simulate_async: bool = False
     # Copies between the GPU and the host tier go in this many groups of consecutive
@@ -169,8 +170,22 @@ class RemoteConfig(_Section):
     directory_every_steps: int = Field(default=8, ge=1)
 
 
+def _seconds_or_auto(value: object) -> float | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+        return float(value)
+    raise ValueError("must be seconds > 0, or auto")
+
+
+StepTimeout = Annotated[float | str, BeforeValidator(_seconds_or_auto)]
+
+
 class DistributedConfig(_Section):
     consensus_timeout_s: float = Field(default=120.0, gt=0)
+    # Bound of every run-time collective (docs/design.md, "A stalled rank"): seconds, or
+    # auto = max(10 s, 4 x the slowest interval between two collectives seen).
+    step_timeout_s: StepTimeout = "auto"
     check_consistency_every: int = Field(default=0, ge=0)  # steps; 0 = never automatically
     tp_size: int = Field(default=0, ge=0)  # ranks per replica; 0 = the whole job is one replica
     remote: RemoteConfig = RemoteConfig()
@@ -192,14 +207,16 @@ class WorkloadConfig(_Section):
     the cache). Ranges are ``[min, max]``, drawn uniformly."""
 
     requests: int = Field(default=400, gt=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=1 << 63)  # numpy's and torch's generators take 0..2**63-1 here
     system_prompts: int = Field(default=4, gt=0)
     system_prompt_tokens: int = Field(default=256, gt=0)
     conversations: int = Field(default=64, gt=0)  # chats alive at once (the working set)
     turns: TokenRange = (1, 8)  # requests per chat; each resends the whole history
     user_tokens: TokenRange = (16, 96)
     output_tokens: TokenRange = (8, 32)
-    arrival_rate: float = Field(default=4.0, gt=0)  # requests per step (Poisson)
+    # Requests per step (Poisson). Above a million, every trace arrives in its first steps
+    # anyway; below 0.001 the run would be idle steps (a thousand per request).
+    arrival_rate: float = Field(default=4.0, ge=1e-3, le=1e6)
     think_steps: int = Field(default=0, ge=0)  # a chat's next turn comes >= this after its reply
     routing: Literal["round_robin", "sticky", "prefix"] = "round_robin"  # requests -> replicas
     # Several replicas keep the trace's time by the wall clock, one step per step_ms, so
@@ -215,6 +232,8 @@ class WorkloadConfig(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA
     # A CUDA model on one rank replays each step's per-token work from CUDA graphs.
     cuda_graphs: bool = True
+    # The main job prepares step N+1 while step N's forward pass runs; None: on CUDA.
+    run_ahead: bool | None = None
     # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
     request_rate: float = Field(default=2.0, gt=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
@@ -319,14 +338,16 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
 def _check_disk_dir(disk: DiskTierConfig) -> None:
     """The disk tier's directory can hold a file of ``bytes`` (one rank's share; the
     start checks the node's ranks together). Runs after every other key validated
-    and creates nothing: the directory is made when the tier is built."""
+    and creates nothing: the directory is made when the tier is built. Space this
+    process's open disk tiers hold there counts as free: a copy of the config made
+    while the cache runs (``replace``) must not refuse the tier it already has."""
     if not disk.bytes or disk.path is None:
         return
     directory = paths.resolve_disk_dir(disk.path)
     problem = paths.files_problem(directory)
     if problem is not None:
         raise ConfigError("cache.disk.path", disk.path, problem)
-    free = paths.free_bytes(directory)
+    free = paths.free_bytes(directory) + paths.reserved_bytes(directory)
     if disk.bytes > free:
         raise ConfigError("cache.disk.bytes", disk.bytes,
                           f"more than the {free:,} bytes free under {paths.nearest_existing(directory)}")

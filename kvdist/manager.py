@@ -34,13 +34,13 @@ from .blocks import DISK, GPU, HOST, TIER_NAMES, BlockMeta, SlotSpace
 from .counters import CacheCounters
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
-from .fetch_policy import FetchPolicy
 from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
+from .recompute_policy import RecomputePolicy
 from .sequences import Sequence, token_array
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
-from .transfer import DEMOTE, FETCH, SPILL, EngineSeams, Executor, TransferEngine, route
+from .transfer import DEMOTE, RELOAD, SPILL, EngineSeams, Executor, TransferEngine, route
 from .transfer.bounce import bounce_blocks
 
 __all__ = ["DEMOTE_BATCH_BYTES", "AdmissionPlan", "CacheCounters", "CacheManager", "HostObserver",
@@ -70,13 +70,13 @@ class CacheManager:
         self.index = PrefixIndex(self.space.total, self.meta)
         bpb = layout.bytes_per_block
         limits = {DEMOTE: max(1, DEMOTE_BATCH_BYTES // bpb),  # see DEMOTE_BATCH_BYTES
-                  FETCH: bounce_blocks(bpb), SPILL: bounce_blocks(bpb)}  # one bounce buffer each
+                  RELOAD: bounce_blocks(bpb), SPILL: bounce_blocks(bpb)}  # one bounce buffer each
         self.engine = TransferEngine(self.space, executor, seams=engine_seams or EngineSeams(),
                                      block_id=self._block_id, batch_limits=limits)
         self.enable_reuse = enable_reuse
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
         self.salt = layout.hash_salt()
-        self.policy = FetchPolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
+        self.policy = RecomputePolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
         self.counters = CacheCounters()
         self.pool = BlockPool(self.space, self.meta, self.index, self.engine, self.policy,
                               self.counters, offload_min_priority)
@@ -123,7 +123,7 @@ class CacheManager:
     @property
     def generation(self) -> int:
         """Grows with every change an admission plan depends on: the pool's slots and
-        reference counts (``BlockPool.generation``) and, at end_step, the fetch policy's
+        reference counts (``BlockPool.generation``) and, at end_step, the recompute policy's
         figures."""
         return self._epoch + self.pool.generation
 
@@ -137,7 +137,7 @@ class CacheManager:
         return [GPU if s < gpu_end else tier_of(s) for s in slots]
 
     def _reusable_prefix(self, hashes: list[int], n_tokens: int) -> tuple[list[int], list[int] | None, int]:
-        """(the slots of the cached prefix worth reusing: the fetch policy's cut; the
+        """(the slots of the cached prefix worth reusing: the recompute policy's cut; the
         tier of each matched block, None when all are on the GPU; blocks matched)
         for a prompt of ``n_tokens`` whose full blocks hash to ``hashes``."""
         hits = self.index.match(hashes[: max(n_tokens - 1, 0) // self.tpb]) if hashes else []
@@ -163,7 +163,7 @@ class CacheManager:
     def plan(self, seq_id: Hashable, tokens: Iterable[int],
              priority: int = DEFAULT_PRIORITY) -> AdmissionPlan:
         """What admitting the prompt would do now (changes nothing): its block hashes,
-        the cached prefix worth reusing (the fetch policy's cut), the GPU slots it needs
+        the cached prefix worth reusing (the recompute policy's cut), the GPU slots it needs
         and can have. Raises ValueError for a sequence already admitted, a priority
         outside 0..100 or no tokens."""
         t0 = time.perf_counter()
@@ -260,7 +260,7 @@ class CacheManager:
 
     def prefetch(self, tokens: Iterable[int]) -> int:
         """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``
-        would reuse it now: the fetch policy's cut) into the host tier, so that its
+        would reuse it now: the recompute policy's cut) into the host tier, so that its
         ``add_sequence`` onboards them from host memory, the read from disk done by
         then or under way. The prefix's host blocks and the promoted ones become the
         host tier's most recently used; a promotion may evict colder host blocks (to
@@ -316,7 +316,7 @@ class CacheManager:
     def end_step(self) -> None:
         """Blocks filled in this step enter the prefix index; deferred releases run."""
         t0 = time.perf_counter()
-        self._epoch += 1  # plans do not outlive a step: the fetch policy's figures change here
+        self._epoch += 1  # plans do not outlive a step: the recompute policy's figures change here
         if self.enable_reuse:
             tpb = self.tpb
             for seq in chain(self._dirty.values(), self._deferred_release):
@@ -327,7 +327,7 @@ class CacheManager:
         for seq in self._deferred_release:
             pool.unpin(seq.slots)
         self._deferred_release.clear()
-        for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, fetches
+        for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, reloads
             self.policy.observe_copy(copied.src, nbytes, seconds)
         if pool.free_count(HOST) < self.demote_ahead and self.policy.worth_storing(DISK):
             # Writes start now and run during the next forward pass, so the next

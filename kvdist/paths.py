@@ -43,6 +43,28 @@ def free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+# Space this process's disk tiers hold, by filesystem (st_dev) and file descriptor: a
+# config re-checked while its own tier is open (a copy with other keys changed) counts
+# the tier's file as free, or a disk that exactly fits would refuse its own job.
+_reserved: dict[int, tuple[int, int]] = {}  # fd -> (st_dev, bytes)
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Note that the open file ``fd`` holds ``nbytes`` of its filesystem for this job."""
+    _reserved[fd] = (os.fstat(fd).st_dev, nbytes)
+
+
+def release(fd: int) -> None:
+    """``fd`` is about to close: its space is no longer this job's (idempotent)."""
+    _reserved.pop(fd, None)
+
+
+def reserved_bytes(directory: str) -> int:
+    """Bytes this process's open disk tiers hold on the filesystem of ``directory``."""
+    dev = os.stat(nearest_existing(directory)).st_dev
+    return sum(n for d, n in _reserved.values() if d == dev)
+
+
 def files_problem(directory: str) -> str | None:
     """Why ``directory`` (created if missing) could not hold kvdist's files, or None.
     Creates nothing: an existing directory is probed with a file that has no name."""

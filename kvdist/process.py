@@ -1,7 +1,7 @@
 """How a ``python -m kvdist run`` process behaves as one rank of a job: its rank before
 MPI starts, one-line messages printed once (by rank 0), a stop on Ctrl-C or SIGTERM
 that every rank makes at the same step, an exit without MPI_Abort's banners, and the
-watcher (``rank_watcher.py``) that lets launch/kvdist-launch say which rank died and how."""
+watcher (``launcher/rank_watcher.py``) that lets launch/kvdist-launch say which rank died and how."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import socket
 import sys
 import time
 
+from .launcher.wire import ADDR_ENV as LAUNCH_ADDR_ENV
+from .launcher.wire import TOKEN_ENV as LAUNCH_TOKEN_ENV
+
 RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-LAUNCH_ADDR_ENV = "KVDIST_LAUNCH_ADDR"  # set by launch/kvdist-launch: where its watchers report
-LAUNCH_TOKEN_ENV = "KVDIST_LAUNCH_TOKEN"  # and the token they report with
 
 
 def launcher_rank() -> int | None:
@@ -28,7 +29,7 @@ def launcher_rank() -> int | None:
 
 
 def announce_to_launcher() -> None:
-    """Start this rank's watcher (``kvdist/rank_watcher.py``) when launch/kvdist-launch
+    """Start this rank's watcher (``kvdist/launcher/rank_watcher.py``) when launch/kvdist-launch
     started the job (``$KVDIST_LAUNCH_ADDR``, ``$KVDIST_LAUNCH_TOKEN``): a process of
     its own session that tells the launcher which process runs this rank and, when it
     ends, how, so that the launcher names the rank that died first on whatever node
@@ -40,11 +41,12 @@ def announce_to_launcher() -> None:
     import subprocess
 
     # Without the launcher's rank variables: the watcher is no rank to anyone looking.
+    # The token stays in the environment (readable by this user only), never in argv.
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS and not k.startswith(_MPI_PREFIXES)}
-    watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_watcher.py")
+    watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "rank_watcher.py")
     try:
         _watchers.append(subprocess.Popen(
-            [sys.executable, "-I", "-S", watcher, addr, token, str(rank), socket.gethostname(),
+            [sys.executable, "-E", "-s", "-S", watcher, addr, str(rank), socket.gethostname(),
              str(os.getpid())], env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True))
     except OSError:  # the launcher then has mpiexec's report only
@@ -84,6 +86,22 @@ def show_warnings_once() -> None:
     warnings.showwarning = show
 
 
+STALLED_EXIT = 3  # a rank stalled (or the ranks called different collectives): named, the job ended
+_absent: set[int] = set()  # world ranks that will never leave with the others (stalled)
+_LEAVING_TAG = 0x5A4
+
+
+def say_here(message: str) -> None:
+    """``kvdist: message`` on stderr, from this rank (every rank that says it)."""
+    print(f"kvdist: {message}", file=sys.stderr, flush=True)
+
+
+def leave_without(ranks) -> None:
+    """The world ``ranks`` will not leave with the others (stalled): ``exit_now`` waits
+    for the rest only and does not finalize MPI (MPI_Finalize would wait for them)."""
+    _absent.update(int(r) for r in ranks)
+
+
 def exit_now(code: int, wait_s: float = 30.0) -> None:
     """Leave with ``code``. With MPI initialized and a non-zero code, wait (at most
     ``wait_s``) until every rank is leaving, finalize, and skip the interpreter's exit,
@@ -99,17 +117,72 @@ def exit_now(code: int, wait_s: float = 30.0) -> None:
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")
     if code and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        # The process's last collective, over the launcher's world, outside the library.
-        done = mpi.COMM_WORLD.Ibarrier()
         deadline = time.monotonic() + wait_s
-        while not done.Test() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        if _absent:
+            _leave_together(mpi, deadline)
+        else:
+            # The process's last collective, over the launcher's world, outside the library.
+            done = mpi.COMM_WORLD.Ibarrier()
+            while not done.Test() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        if _absent:
+            _abort_job(mpi, code)
+        if _orphaned():
+            # MPI_Finalize would wait for collectives that never complete.
+            try:
+                ctypes.PyDLL(None).exit(code)
+            finally:
+                os._exit(code)
         mpi.Finalize()
         try:
             ctypes.PyDLL(None).exit(code)  # C exit handlers run, holding the GIL; Python's exit does not
         finally:
             os._exit(code)
     sys.exit(code)
+
+
+def _leave_together(mpi, deadline: float) -> None:
+    """Wait (until ``deadline``) for a message from every world rank not absent, having
+    sent one to each: every live rank is then leaving, done with its clean-up."""
+    world = mpi.COMM_WORLD
+    me = world.Get_rank()
+    peers = [r for r in range(world.Get_size()) if r != me and r not in _absent]
+    bufs = [bytearray(1) for _ in peers]
+    token = bytearray(1)
+    sends = [world.Isend([token, mpi.BYTE], dest=r, tag=_LEAVING_TAG) for r in peers]
+    recvs = [world.Irecv([b, mpi.BYTE], source=r, tag=_LEAVING_TAG) for r, b in zip(peers, bufs)]
+    while not all(r.Test() for r in recvs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    _held.append((sends, recvs, bufs, token))
+
+
+def _abort_job(mpi, code: int) -> None:
+    """End a job in which some ranks are stalled, once every live rank is leaving: only
+    the launcher can end a stopped process, and MPI_Finalize would wait for it. The
+    lowest live rank calls MPI_Abort (mpiexec then kills every rank, and its exit status
+    is ``code``; leaving by exit() instead made it report the killed rank's 9 now and
+    then); its banner is not shown (each rank has said what happened). The others wait
+    to be killed, and leave by themselves should that not come."""
+    world = mpi.COMM_WORLD
+    me = world.Get_rank()
+    if me == min(r for r in range(world.Get_size()) if r not in _absent):
+        time.sleep(0.2)  # mpiexec forwards what the ranks printed before it kills any
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        world.Abort(code)
+    time.sleep(5.0)
+    try:
+        ctypes.PyDLL(None).exit(code)
+    finally:
+        os._exit(code)
+
+
+_held: list = []  # requests of _leave_together (never freed: the process is leaving)
+
+
+def _orphaned() -> bool:
+    comm = sys.modules.get("kvdist.distributed.comm")
+    return comm is not None and comm.orphaned()
 
 
 # -- stopping on a signal ------------------------------------------------------------------------

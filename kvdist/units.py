@@ -4,10 +4,12 @@ people (``1.50 GiB``)."""
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
-__all__ = ["GiB", "gib", "parse_size"]
+__all__ = ["MAX_SIZE", "GiB", "gib", "parse_size"]
 
 GiB = 1 << 30
+MAX_SIZE = (1 << 63) - 1  # sizes travel as int64 (numpy, torch, MPI)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -27,9 +29,11 @@ def parse_size(value: object) -> int:
         m = _SIZE_RE.match(value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError("a size must look like 4096, '64MiB', '2GiB' or '500MB'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])  # exact: no float overflows to inf
     if n < 0:
         raise ValueError("a size cannot be negative")
+    if n > MAX_SIZE:
+        raise ValueError(f"a size is at most {MAX_SIZE:,} bytes (8 EiB)")
     return n
 
 

@@ -4,13 +4,13 @@ kill, interrupt or mis-configure a job."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import selectors
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -26,15 +26,6 @@ TINY = {
                  "user_tokens": [8, 32], "output_tokens": [2, 8], "arrival_rate": 2.0, "max_batch": 8,
                  "hidden": 16, "verify_logits_every": 0},
 }
-
-
-def launcher_module():
-    """launch/kvdist-launch as a module (it is a script without a .py name)."""
-    loader = importlib.machinery.SourceFileLoader("kvdist_launch", str(ROOT / "launch" / "kvdist-launch"))
-    spec = importlib.util.spec_from_loader("kvdist_launch", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def tiny_config(tmp_path: Path, disk_dir: Path | None = None, **sections) -> Path:
@@ -58,23 +49,61 @@ def start(args: list[str], np: int | None = None, env: dict | None = None) -> su
                             text=True, start_new_session=True)
 
 
-def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60) -> str:
-    """Read the job's stdout until a line starting with ``prefix`` (the job's own
-    progress is the clock: no sleeping)."""
-    deadline = time.monotonic() + timeout
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60,
+                  pids: Callable[[], list[int]] | None = None, cpu_s: float | None = None) -> str:
+    """Read the job's stdout until a line starting with ``prefix``. The job's own
+    progress is the clock, not the wall's: on a loaded machine a job's start can take
+    minutes of wall time (under Open MPI a node's ranks share one scheduler group of
+    the kernel's autogroup, so they get half the CPU of MPICH's, each in a session of
+    its own). It fails when the job's processes (``pids()``, default: those under
+    ``proc``) neither print nor use CPU for ``timeout`` s (a hang that sleeps), when
+    they used ``cpu_s`` CPU-seconds without the line (a hang that spins, as a rank
+    polling in a collective does; default ``2 * timeout``), or after ``10 * timeout`` s."""
+    pids = pids or (lambda: descendants(proc.pid))
+    cpu_s = 2 * timeout if cpu_s is None else cpu_s
+    start = last_move = time.monotonic()
+    cpu0 = last_cpu = cpu_seconds(pids())
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    seen = []
-    while time.monotonic() < deadline:
-        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+    seen: list[str] = []
+    why = f"nothing printed and no CPU used for {timeout} s"
+    while True:
+        now = time.monotonic()
+        used = cpu_seconds(pids())
+        if used > last_cpu:
+            last_cpu, last_move = used, now
+        if now - last_move > timeout:
+            break
+        if used - cpu0 > cpu_s:
+            why = f"{used - cpu0:.0f} CPU-seconds used without it"
+            break
+        if now - start > 10 * timeout:
+            why = f"not within {10 * timeout} s"
+            break
+        if sel.select(timeout=1.0):
             line = proc.stdout.readline()
             if not line:
+                why = "the job ended"
                 break
             seen.append(line)
+            last_move = time.monotonic()
             if line.startswith(prefix):
                 return line
     kill_job(proc)
-    raise AssertionError(f"no line starting {prefix!r}; stdout: {seen!r}; stderr: {proc.stderr.read()}")
+    raise AssertionError(f"no line starting {prefix!r} ({why}); stdout: {seen!r}; "
+                         f"stderr: {proc.stderr.read()}")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time the processes ``pids`` used (those still there)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
@@ -91,12 +120,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL the job and every process under it (mpiexec starts each rank in a
     session of its own, out of reach of a process-group kill)."""
-    kids, todo, tree = _children(), [proc.pid], []
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(kids.get(pid, []))
-    for pid in tree:
+    for pid in descendants(proc.pid):
         try:
             os.kill(pid, 9)
         except ProcessLookupError:
@@ -137,3 +161,72 @@ def rank_pid(proc: subprocess.Popen, rank: int) -> int:
             return pid
         todo.extend(kids.get(pid, []))
     raise AssertionError(f"no process of rank {rank} under pid {proc.pid}")
+
+
+# -- a job in a mount namespace of its own -------------------------------------------------------
+def private_unavailable() -> str | None:
+    """Why a job cannot get a private /dev/shm and /tmp here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root for a mount namespace"
+    if shutil.which("unshare") is None:
+        return "needs unshare (util-linux)"
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs kvprobe /tmp"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"unshare -m failed: {probe.stderr.strip()}"
+
+
+PRIVATE_DIR = "/tmp/job"  # the job's config and output, inside the namespace
+
+
+def start_private(config: Path, args: list[str], np: int,
+                  env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """``kvdist-launch -n NP ARGS`` (``{dir}`` in ARGS: the job's directory, holding
+    ``config`` as tiny.yaml) in a mount namespace whose /dev/shm and /tmp are empty
+    tmpfs of its own: what the job leaves there is its own, whatever else runs on the
+    machine. Returns the launcher's process (the same pid as ``proc.pid``) and a holder
+    process in the namespace (``private_files`` looks through it; kill it when done)."""
+    argv = [a.replace("{dir}", PRIVATE_DIR) for a in args]
+    script = (f'set -e; mount -t tmpfs -o size=1g kvshm /dev/shm; mount -t tmpfs kvtmp /tmp; '
+              f'mkdir -p {PRIVATE_DIR}; cat > {PRIVATE_DIR}/tiny.yaml; '
+              f'sleep 900 </dev/null >/dev/null 2>&1 & echo "holder $!"; '
+              f'exec "$@"')
+    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *LAUNCH, "-n", str(np),
+           *argv]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPIEXEC_TIMEOUT": "120", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.stdin.write(config.read_text())
+    proc.stdin.close()
+    holder = int(wait_for_line(proc, "holder ").split()[1])
+    return proc, holder
+
+
+def private_files(holder: int) -> list[str]:
+    """What is in the namespace's /dev/shm and /tmp, but the job's own directory."""
+    root = Path(f"/proc/{holder}/root")
+    shm = [f"/dev/shm/{p.name}" for p in (root / "dev" / "shm").iterdir()]
+    tmp = [f"/tmp/{p.name}" for p in (root / "tmp").iterdir() if f"/tmp/{p.name}" != PRIVATE_DIR]
+    return sorted(shm + tmp)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it now."""
+    kids, todo, tree = _children(), [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(kids.get(p, []))
+    return tree
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still run (not gone, not zombies)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            out.append(pid)
+    return out

@@ -28,6 +28,14 @@ def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
+@pytest.mark.parametrize("text", ["1" + "0" * 400, "1" + "0" * 400 + "KiB", 10**400, 1 << 63],
+                         ids=["400 digits", "400 digits KiB", "int of 401 digits", "2**63"])
+def test_a_size_past_int64_is_a_config_error_not_an_overflow(text):
+    with pytest.raises(kvdist.ConfigError, match="a size is at most 9,223,372,036,854,775,807 bytes") as ei:
+        kvdist.load_config(make_cfg(cache={"host": {"bytes": text}}))
+    assert ei.value.key == "cache.host.bytes"
+
+
 def test_dict_and_yaml_agree(tmp_path):
     d = make_cfg(cache={"host": {"bytes": "1MiB"}})
     p = tmp_path / "c.yaml"
@@ -53,6 +61,12 @@ BAD = [
     ("unknown device", {"cache": {"device": "tpu:0"}}, "cache.device", "tpu:0"),
     ("priority range", {"cache": {"offload_min_priority": 101}}, "cache.offload_min_priority", "101"),
     ("timeout", {"distributed": {"consensus_timeout_s": 0}}, "distributed.consensus_timeout_s", "0"),
+    ("endless timeout", {"distributed": {"consensus_timeout_s": float("inf")}},
+     "distributed.consensus_timeout_s", "inf"),
+    ("negative seed", {"workload": {"seed": -1}}, "workload.seed", "-1"),
+    ("seed past int64", {"workload": {"seed": 1 << 63}}, "workload.seed", str(1 << 63)),
+    ("rate of nan", {"workload": {"arrival_rate": float("nan")}}, "workload.arrival_rate", "nan"),
+    ("rate of idle steps", {"workload": {"arrival_rate": 1e-4}}, "workload.arrival_rate", "0.0001"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""launch/kvdist-launch's account of a dead rank, without MPI: what it reads in
+"""kvdist-launch's account of a dead rank, without MPI: what it reads in
 mpiexec's banners (MPICH's Hydra, Open MPI's prterun, as each printed them on the
 two-node test bed) and which rank its line names, from the watchers' reports and the
 banner (tests/nodes/test_two_nodes.py kills real ranks on both nodes)."""
@@ -7,13 +7,9 @@ import signal
 
 import pytest
 
-from .launching import launcher_module
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    return launcher_module()
-
+from kvdist.launcher.banner import Banner
+from kvdist.launcher.leftovers import remove_leftovers, shm_segments
+from kvdist.launcher.server import RankWatch
 
 HYDRA = b"""
 ===================================================================================
@@ -45,17 +41,17 @@ terminated by signals sent by prterun (as reported here).
     (2, OMPI, (3, 810, "kvn751b", 9)),
     (2, OMPI_ABORT, None),
 ])
-def test_banners_read_in_any_chunks(launcher, stream, text, found):
+def test_banners_read_in_any_chunks(stream, text, found):
     for size in (len(text), 7, 1):
-        banner = launcher.Banner()
+        banner = Banner()
         for i in range(0, len(text), size):
             banner.feed(stream, text[i:i + size])
         assert banner.found == found, size
 
 
-def watch(launcher, ranks, ended=(), status=None, output=b"", stream=1):
-    w = launcher.RankWatch.__new__(launcher.RankWatch)  # no listener: the reports are given
-    w.ranks, w.ended, w.status, w.banner = dict(ranks), list(ended), dict(status or {}), launcher.Banner()
+def watch(ranks, ended=(), status=None, output=b"", stream=1):
+    w = RankWatch.__new__(RankWatch)  # no listener: the reports are given
+    w.ranks, w.ended, w.status, w.banner = dict(ranks), list(ended), dict(status or {}), Banner()
     w.banner.feed(stream, output)
     return w.verdict()
 
@@ -63,36 +59,36 @@ def watch(launcher, ranks, ended=(), status=None, output=b"", stream=1):
 RANKS = {0: ("kvn668a", 700), 1: ("kvn668a", 701), 2: ("kvn668b", 706), 3: ("kvn668b", 707)}
 
 
-def test_the_first_reported_end_is_named_with_its_watchers_status(launcher):
+def test_the_first_reported_end_is_named_with_its_watchers_status():
     # Open MPI's banner named a survivor that aborted; the watchers know better
-    assert watch(launcher, RANKS, ended=[3, 1, 0, 2], status={3: signal.SIGKILL, 1: 14 << 8},
+    assert watch(RANKS, ended=[3, 1, 0, 2], status={3: signal.SIGKILL, 1: 14 << 8},
                  output=OMPI_ABORT, stream=2) == "rank 3 (pid 707 on kvn668b) was killed by SIGKILL"
     # a stop every rank made (SIGTERM, Ctrl-C) ends with an exit status: no line
-    assert watch(launcher, RANKS, ended=[1, 0], status={1: 143 << 8, 0: 143 << 8}) is None
+    assert watch(RANKS, ended=[1, 0], status={1: 143 << 8, 0: 143 << 8}) is None
 
 
-def test_the_banner_gives_the_status_a_watcher_could_not_read(launcher):
-    assert watch(launcher, RANKS, ended=[3], status={3: None}, output=HYDRA) == \
+def test_the_banner_gives_the_status_a_watcher_could_not_read():
+    assert watch(RANKS, ended=[3], status={3: None}, output=HYDRA) == \
         "rank 3 (pid 707 on kvn668b) was killed by SIGKILL"
     # ... only when it names the same process
-    assert watch(launcher, RANKS, ended=[2], status={2: None}, output=HYDRA) is None
+    assert watch(RANKS, ended=[2], status={2: None}, output=HYDRA) is None
     # no watcher at all (not `run`): the banner alone, when the rank is known
-    assert watch(launcher, {}, output=OMPI, stream=2) == "rank 3 (pid 810 on kvn751b) was killed by SIGKILL"
-    assert watch(launcher, {}, output=HYDRA) is None
+    assert watch({}, output=OMPI, stream=2) == "rank 3 (pid 810 on kvn751b) was killed by SIGKILL"
+    assert watch({}, output=HYDRA) is None
 
 
-def test_leftover_segments_go_unless_a_live_process_maps_them(launcher, tmp_path):
+def test_leftover_segments_go_unless_a_live_process_maps_them(tmp_path):
     """After a job, the launcher removes MPICH's segments that appeared during it and
     that no process maps (a killed rank's); another job's, mapped, and older ones stay."""
     shm, proc = tmp_path / "shm", tmp_path / "proc"
     (proc / "4242").mkdir(parents=True)
     shm.mkdir()
     (shm / "mpich_shm_old_0").write_bytes(b"x")  # before the job: not the launcher's to judge
-    before = launcher.shm_segments(shm)
+    before = shm_segments(shm)
     for name in ("mpich_shm_left_0", "mpich_shm_live_0", "other_0"):
         (shm / name).write_bytes(b"x")
     live = shm / "mpich_shm_live_0"
     (proc / "4242" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 99   {live}\n"
                                         "7f20-7f30 r-xp 00000000 08:01 12   /usr/lib/libc.so.6\n")
-    assert launcher.remove_leftovers(before, shm, proc, grace_s=0.1) == 1
+    assert remove_leftovers(before, shm, proc, grace_s=0.1) == 1
     assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_live_0", "mpich_shm_old_0", "other_0"]

@@ -7,22 +7,21 @@ import sys
 import time
 from pathlib import Path
 
-from .launching import launcher_module
+from kvdist.launcher.leftovers import remove_leftovers, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def test_a_failure_on_one_rank_aborts_the_mpi_job_at_once():
-    launcher = launcher_module()
-    segments = launcher.shm_segments()
+    segments = shm_segments()
     t0 = time.monotonic()
     r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
                         "--with-mpi", "-p", "no:cacheprovider", "tests/mpi/failing_demo.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MPIEXEC_TIMEOUT": "300"})
     seconds = time.monotonic() - t0
-    launcher.remove_leftovers(segments)  # the aborted ranks leave MPICH's segment: what this test made
+    remove_leftovers(segments)  # the aborted ranks leave MPICH's segment: what this test made
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     # Hydra forwards the ranks' output through pipes and may drop what a rank wrote just

@@ -88,11 +88,63 @@ def test_vocab_size_beyond_the_tiny_model(tmp_path):
               ["workload.vocab_size", "1000000000000"])
 
 
+# Values the config took and the run could not handle (a traceback, a 34 GB allocation,
+# minutes of generating a trace, a tier silently dropped): one line, exit 2, nothing built.
+ACCEPTED_THEN_CRASHED = [
+    ("seed", {"workload": {"seed": -1}}, ["workload.seed", "(got -1)", "greater than or equal to 0"]),
+    ("inf rate", {"workload": {"arrival_rate": float("inf")}},
+     ["workload.arrival_rate", "(got inf)", "finite"]),
+    ("huge rate", {"workload": {"arrival_rate": 1.0e+20}}, ["workload.arrival_rate", "(got 1e+20)"]),
+    ("int8", {"model": {"dtype": "int8"}}, ["model.dtype", "'int8'", "floating-point K/V"]),
+    ("uint8", {"model": {"dtype": "uint8"}}, ["model.dtype", "'uint8'", "floating-point K/V"]),
+    ("model at the maxima",
+     {"model": {"num_layers": 1000}, "workload": {"vocab_size": 1 << 20, "hidden": 8192}},
+     ["workload.hidden", "(got 8192)", "the model", "bytes this node has available"]),
+    ("a trillion requests", {"workload": {"requests": 10**12}},
+     ["workload.requests", "(got 1000000000000)", "the trace", "bytes this node has available"]),
+    ("huge system prompt", {"workload": {"system_prompt_tokens": 10**8}},
+     ["workload.system_prompt_tokens", "(got 100000000)",
+      "needs 6,250,001 GPU blocks, more than the GPU tier's 64"]),
+    ("host tier beyond memory", {"cache": {"host": {"bytes": "10000TB"}}, "workload": {"requests": 2}},
+     ["cache.host.bytes", "(got 10000000000000000)",
+      "bytes this node has available for each of its 1 rank(s)"]),
+]
+
+
+@pytest.mark.parametrize("sections, must", [c[1:] for c in ACCEPTED_THEN_CRASHED],
+                         ids=[c[0] for c in ACCEPTED_THEN_CRASHED])
+def test_values_the_run_cannot_handle_are_one_line(tmp_path, sections, must):
+    out = tmp_path / "runs"
+    _one_line(["run", "--config", _config(tmp_path, **sections), "--quiet", "--out", str(out)], must)
+    assert not out.exists()
+
+
 def test_out_directory_is_checked_before_the_run(tmp_path):
     if not os.path.isdir("/proc"):
         pytest.skip("no /proc here")
     _one_line(["run", "--config", _config(tmp_path), "--out", "/proc/x"],
               ["--out", "/proc/x", "not writable"])
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_out_whose_latest_is_not_a_symlink_is_refused_before_the_run(tmp_path, kind):
+    out = tmp_path / "runs"
+    out.mkdir()
+    latest = out / "latest"
+    latest.mkdir() if kind == "directory" else latest.write_text("mine")
+    _one_line(["run", "--config", _config(tmp_path, workload={"requests": 2}), "--quiet", "--out", str(out)],
+              ["--out", str(out), f"{latest} is a {kind}, not the symlink"])
+    assert os.listdir(out) == ["latest"]  # no run directory, no temporary link
+
+
+def test_a_failed_latest_link_leaves_no_temporary_link(tmp_path):
+    from kvdist.sim.experiment import report
+
+    run_dir = report.new_run_dir(tmp_path)
+    (tmp_path / "latest").mkdir()  # made after the preflight: the replace fails
+    with pytest.raises(OSError):
+        report.point_latest(run_dir)
+    assert sorted(os.listdir(tmp_path)) == sorted([run_dir.name, "latest"])
 
 
 def test_metrics_port_out_of_range_or_in_use(tmp_path):

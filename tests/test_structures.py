@@ -119,7 +119,7 @@ def test_metadata_is_compact():
 
 # -- the single-rank cache's modules ---------------------------------------------------------------
 # Lowest first: each may import only modules before it (and anything outside this list).
-SINGLE_RANK = ["blocks", "prefix", "eviction", "fetch_policy", "counters", "sequences",
+SINGLE_RANK = ["blocks", "prefix", "eviction", "recompute_policy", "counters", "sequences",
                "admission_plan", "block_pool", "manager_checks", "manager", "landing"]
 
 

@@ -116,6 +116,7 @@ class DiskPool:
             what = "is full" if e.errno in _FULL else "cannot preallocate the file"
             raise KVDistError(f"disk tier: {directory} {what}: {e.strerror} ({want} bytes asked, "
                               f"{paths.free_bytes(directory)} bytes free)") from e
+        paths.reserve(self.fd, want)
 
     def _open_direct(self) -> None:
         if not hasattr(os, "O_DIRECT"):
@@ -350,6 +351,7 @@ class DiskPool:
         for name in ("_direct_fd", "fd"):
             fd = getattr(self, name)
             if fd is not None:
+                paths.release(fd)
                 os.close(fd)
                 setattr(self, name, None)
         self.path = None

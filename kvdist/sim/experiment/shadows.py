@@ -26,9 +26,13 @@ def bookkeeping_cache(cfg: CacheConfig, *, gpu: int, host: int = 0, disk: int = 
     the run's decisions at a size of kilobytes. One replica, no remote tier; its disk
     file (when ``disk``) goes to ``disk_dir``."""
     assert not disk or disk_dir, "a disk tier needs a directory"
-    tiny = cfg.replace(model={"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"})
-    bpb = KVLayout.from_config(tiny).bytes_per_block
-    return create(tiny.replace(
+    model = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
+    bpb = KVLayout(**model, tokens_per_block=cfg.cache.tokens_per_block).bytes_per_block
+    # One replace, every tier given: the run's own tiers are never validated again here
+    # (its disk tier, re-checked against the space it now fills, would refuse itself on
+    # this rank alone while the others wait).
+    return create(cfg.replace(
+        model=model,
         cache={"device": "cpu", "gpu": {"blocks": gpu, "bytes": None, "memory_fraction": None},
                "host": {"bytes": host * bpb},
                "disk": {"bytes": disk * bpb, "path": disk_dir if disk else None},
