@@ -61,11 +61,11 @@ def main(args: argparse.Namespace) -> int:
         process.say(e.line())
         return e.exit_code
     except RankStalled as e:  # every live rank of the job names the stalled ones
-        process.say_here(f"{e.line}; caches closed, the job ends")
+        process.say_here(f"{e.line}; rank {process.launcher_rank() or 0} closed its cache, the job ends")
         process.leave_without(e.stalled)
         return process.STALLED_EXIT
     except CollectiveMismatch as e:
-        process.say_here(f"{e}; caches closed, the job ends")
+        process.say_here(f"{e}; rank {process.launcher_rank() or 0} closed its cache, the job ends")
         return process.STALLED_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C of a job without MPI
         process.say("interrupted; caches closed")
