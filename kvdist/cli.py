@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config = config_path(args.config)
             return sim.main(args)
         if args.command == "placement":
-            from .sim import placement
+            from .sim.experiment import placement
 
             return placement.main(args)
         module = importlib.import_module(f"kvdist.bench.{args.name}")
