@@ -167,13 +167,13 @@ class KVCache:
         agreed = self._remote.end_step(figures) if self._remote is not None else None
         if figures is not None:
             policy.agree(agreed if agreed is not None else
-                         self._replicas.tp.allreduce_min(figures, "fetch policy figures"))
+                         self._replicas.tp.allreduce_min(figures, "recompute policy figures"))
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` prompt tokens in ``seconds`` (a step's forward
-        pass, device time included): the recompute side of the fetch-or-recompute
+        pass, device time included): the recompute side of the onboard-or-recompute
         decision (``cache.recompute_when_faster``). Local; agreed at ``end_step``."""
         self._live().policy.observe_prefill(tokens, seconds)
 
@@ -198,7 +198,7 @@ class KVCache:
     def prefetch(self, seq_id: Hashable, tokens: Iterable[int]) -> int:
         """Start moving a request's cached blocks closer, without blocking; returns how
         many blocks are on their way. Its disk blocks (those ``add_sequence`` would reuse
-        now, by the fetch policy) move into the host tier at once, in or between steps:
+        now, by the recompute policy) move into the host tier at once, in or between steps:
         ``add_sequence`` then onboards them like host hits, after their read (rule S2).
         Its blocks that only other replicas hold (the remote tier) are pulled: a later
         ``add_sequence(seq_id, ...)`` reuses those that have landed and been agreed by the
@@ -263,7 +263,7 @@ class KVCache:
             "remote": self._remote.stats() if self._remote else {},
             "prompt_tokens": c.prompt_tokens,
             "bytes_offloaded": (moved["offload"] + moved["spill"]) * bpb,
-            "bytes_onboarded": (moved["onboard"] + moved["fetch"]) * bpb,
+            "bytes_onboarded": (moved["onboard"] + moved["reload"]) * bpb,
             "bytes_demoted": moved["demote"] * bpb,
             "blocks_moved": dict(moved),
             "evictions": sum(c.evictions),
@@ -274,15 +274,15 @@ class KVCache:
             "transfer_path": executor.path,
             "transfer_batches": engine.stats.batches,
             "transfer": executor.stats(),
-            # The host blocked on unfinished disk work (a fetch's read, or an offload into
+            # The host blocked on unfinished disk work (a reload's read, or an offload into
             # a host slot a demotion is still reading): CUDA executor only.
             "host_waits_on_disk": waits.host_waits,
             "host_wait_seconds": waits.host_wait_seconds,
-            "host_wait_read_seconds": waits.host_wait_read_seconds,  # of which on fetches' reads
+            "host_wait_read_seconds": waits.host_wait_read_seconds,  # of which on reloads' reads
             # The compute stream stood still waiting for tier copies (S5).
             "compute_wait_seconds": executor.compute_wait_seconds,
-            # Cold hits onboarded vs recomputed because that was faster (fetch_policy).
-            "fetch_policy": m.policy.stats(m.has_tier),
+            # Cold hits onboarded vs recomputed because that was faster (recompute_policy).
+            "recompute_policy": m.policy.stats(m.has_tier),
             "staging": self._stager.stats(),
             "sequences": len(m.seqs),
             "consistency_checks": self._checks_passed,
@@ -365,8 +365,9 @@ class KVCache:
                 parts.manager.host_observer = None
                 remote.close()
             parts.teardown()
-            # After a timed-out collective the communicator is unusable: nothing to wait on.
-            if wait_for_peers and getattr(self._comm, "broken", None) is None:
+            # After a timed-out collective (or a stall anywhere in the process) the
+            # communicator is unusable: nothing to wait on.
+            if wait_for_peers and self._comm.usable:
                 self._comm.barrier("close")
         finally:
             self._replicas.free()
@@ -418,6 +419,9 @@ def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
     try:
         with timing.clock("consensus"):
             replicas = ReplicaComms(c, layout)
+            step = cfg.distributed.step_timeout_s  # run-time collectives: the step deadline
+            c.run_time(None if step == "auto" else step)
+            replicas.tp.run_time(None if step == "auto" else step)
             if plan is not None:
                 parts = done.candidate
                 remote = remote_setup.commit_remote(

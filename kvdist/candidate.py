@@ -6,16 +6,16 @@ partial build)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from . import faults
-from .backend import CopyBackend, make_backend
+from .backend import make_backend
 from .config import CacheConfig
 from .errors import ConfigError
 from .layout import KVLayout
 from .manager import CacheManager
+from .rank_cache import RankCache
 from .seams import Seams
 from .staging import Stager
 from .storage import DiskPool, GpuPool, HostPool
@@ -88,44 +88,6 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
     return gpu, host, disk
 
 
-@dataclass(slots=True)
-class RankCache:
-    """The parts of one rank's cache: pools, copy backend, manager and stager, plus how
-    they were built. A candidate until the ranks commit it; then what KVCache drives."""
-
-    cfg: CacheConfig
-    layout: KVLayout
-    device: torch.device
-    gpu: GpuPool | None = None
-    host: HostPool | None = None
-    disk: DiskPool | None = None
-    backend: CopyBackend | None = None
-    manager: CacheManager | None = None
-    stager: Stager | None = None  # host->device metadata copies (rule S3)
-
-    def teardown(self) -> None:
-        """Free every tier (idempotent, safe after a partial build)."""
-        if self.manager is not None:
-            try:
-                self.manager.synchronize()
-            finally:
-                self.manager = None
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
-        if self.backend is not None:
-            self.backend.executor.close()  # the CUDA executor's disk workers
-            self.backend = None
-        for pool in (self.disk, self.host, self.gpu):
-            if pool is not None:
-                pool.close()
-        self.disk = self.host = self.gpu = None
-
-    @property
-    def tiers(self) -> tuple[str, ...]:
-        return self.manager.tier_names()
-
-
 def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.device,
                     rank: int, *, with_host: bool = True, fallback: bool = False,
                     seams: Seams | None = None, host_shared_path: str | None = None) -> RankCache:
@@ -162,7 +124,7 @@ def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: to
             demote_ahead=int(cfg.cache.disk.demote_ahead * host_n),
             engine_seams=seams.engine_seams(), table_rows=seams.table_rows,
             recompute_when_faster=cfg.cache.recompute_when_faster)
-        local.stager = Stager(local.backend.upload, protect=seams.protect_staging)
+        local.stager = Stager(local.backend.upload, slots=seams.staging_slots, protect=seams.protect_staging)
         seams.rank_cache = local
         return local
     except BaseException:

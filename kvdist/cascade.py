@@ -19,9 +19,9 @@ from .transfer import Route
 if TYPE_CHECKING:
     from .blocks import FreeStack
     from .eviction import PriorityLRU
-    from .fetch_policy import FetchPolicy
     from .manager import CacheCounters
     from .prefix import PrefixIndex
+    from .recompute_policy import RecomputePolicy
     from .transfer import TransferEngine
 
 __all__ = ["EvictionCascade", "HostObserver"]
@@ -48,7 +48,7 @@ class EvictionCascade:
     lru: list[PriorityLRU]
     index: PrefixIndex
     engine: TransferEngine
-    policy: FetchPolicy
+    policy: RecomputePolicy
     offload_min_priority: int
     counters: CacheCounters
     transfer_seconds: float
@@ -128,7 +128,7 @@ class EvictionCascade:
         if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
             for along in self._colder[tier]:
                 if not self.policy.worth_storing(along.dst):
-                    continue  # never fetched back from there: drop, do not write it
+                    continue  # never onboarded back from there: drop, do not write it
                 dst = self._take_slot(along.dst)
                 if dst != NO_SLOT:
                     self._move(slot, dst, along)

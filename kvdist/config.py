@@ -102,7 +102,7 @@ class DiskTierConfig(_Section):
     # offload then lands in a slot no disk write is still reading (no host wait).
     demote_ahead: float = Field(default=0.05, ge=0, lt=1)
     # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
-    # a slow disk, e.g. to watch the fetch-or-recompute policy turn it down.
+    # a slow disk, e.g. to watch the onboard-or-recompute policy turn it down.
     max_read_bytes_per_s: Size = 0
 
     @field_validator("path")
@@ -121,7 +121,7 @@ class CacheSection(_Section):
     offload_min_priority: int = Field(default=0, ge=0, le=100)
     # Onboard a host or disk hit only when its expected copy time (bytes / the tier's
     # measured bandwidth) is below the expected time to recompute it (measured prefill
-    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Fetch or recompute".
+    # rate, fed by the engine through KVCache.observe_prefill); docs/design.md, "Onboard or recompute".
     recompute_when_faster: bool = True
     simulate_async: bool = False
     # Copies between the GPU and the host tier go in this many groups of consecutive
@@ -170,8 +170,22 @@ class RemoteConfig(_Section):
     directory_every_steps: int = Field(default=8, ge=1)
 
 
+def _seconds_or_auto(value: object) -> float | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+        return float(value)
+    raise ValueError("must be seconds > 0, or auto")
+
+
+StepTimeout = Annotated[float | str, BeforeValidator(_seconds_or_auto)]
+
+
 class DistributedConfig(_Section):
     consensus_timeout_s: float = Field(default=120.0, gt=0)
+    # Bound of every run-time collective (docs/design.md, "A stalled rank"): seconds, or
+    # auto = max(10 s, 4 x the slowest interval between two collectives seen).
+    step_timeout_s: StepTimeout = "auto"
     check_consistency_every: int = Field(default=0, ge=0)  # steps; 0 = never automatically
     tp_size: int = Field(default=0, ge=0)  # ranks per replica; 0 = the whole job is one replica
     remote: RemoteConfig = RemoteConfig()
@@ -218,6 +232,8 @@ class WorkloadConfig(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA
     # A CUDA model on one rank replays each step's per-token work from CUDA graphs.
     cuda_graphs: bool = True
+    # The main job prepares step N+1 while step N's forward pass runs; None: on CUDA.
+    run_ahead: bool | None = None
     # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
     request_rate: float = Field(default=2.0, gt=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never

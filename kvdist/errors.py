@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 __all__ = ["CacheClosedError", "ConfigError", "ConsensusAbort", "ConsensusTimeout", "ConsistencyError",
-           "HostTierUnavailable", "KVDistError", "OutOfBlocksError", "StepOrderError"]
+           "CollectiveMismatch", "HostTierUnavailable", "KVDistError", "OutOfBlocksError", "RankStalled",
+           "StepOrderError"]
 
 
 class KVDistError(Exception):
@@ -60,6 +61,26 @@ class ConsensusAbort(KVDistError):
 class ConsensusTimeout(KVDistError):
     """A collective did not complete within ``distributed.consensus_timeout_s``:
     at least one rank never arrived."""
+
+
+class RankStalled(ConsensusTimeout):
+    """A run-time collective did not complete within ``distributed.step_timeout_s``;
+    ``stalled`` maps the world rank of every rank that did not arrive to one line naming
+    it (node, pid, the collective), ``line`` is what the job prints."""
+
+    def __init__(self, line: str, stalled: dict[int, str]):
+        self.line = line
+        self.stalled = dict(stalled)
+        super().__init__(line)
+
+
+class CollectiveMismatch(KVDistError):
+    """The ranks of a communicator entered different collectives (a call made on some
+    ranks only): ``calls`` maps each rank of the communicator to the call it made."""
+
+    def __init__(self, message: str, calls: dict[int, str]):
+        self.calls = dict(calls)
+        super().__init__(message)
 
 
 class ConsistencyError(KVDistError):

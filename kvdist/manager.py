@@ -41,16 +41,16 @@ from .blocks import (
 from .cascade import EvictionCascade, HostObserver
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
-from .fetch_policy import FetchPolicy
 from .layout import KVLayout
 from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
+from .recompute_policy import RecomputePolicy
 from .sequences import Sequence, token_array
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
 from .transfer import (
     DEMOTE,
-    FETCH,
     PROMOTE,
+    RELOAD,
     ROUTE_NAMES,
     SPILL,
     EngineSeams,
@@ -102,14 +102,14 @@ class CacheManager(EvictionCascade):
         self.index = PrefixIndex(self.space.total, self.meta)
         bpb = layout.bytes_per_block
         limits = {DEMOTE: max(1, DEMOTE_BATCH_BYTES // bpb),  # see DEMOTE_BATCH_BYTES
-                  FETCH: bounce_blocks(bpb), SPILL: bounce_blocks(bpb)}  # one bounce buffer each
+                  RELOAD: bounce_blocks(bpb), SPILL: bounce_blocks(bpb)}  # one bounce buffer each
         self.engine = TransferEngine(self.space, executor, seams=engine_seams or EngineSeams(),
                                      block_id=self._block_id, batch_limits=limits)
         self.enable_reuse = enable_reuse
         self.offload_min_priority = offload_min_priority
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
         self.salt = layout.hash_salt()
-        self.policy = FetchPolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
+        self.policy = RecomputePolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
         self.seqs: dict[Hashable, Sequence] = {}
         self.host_table = TableRows(rows=table_rows)  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
@@ -199,7 +199,7 @@ class CacheManager(EvictionCascade):
         cold: list[int] | None = None  # the hits' tiers, when some are not on the GPU
         if on_gpu < len(hits):
             cold = self._tiers_of(hits)
-            hits = hits[: self.policy.cut(cold)]  # fetch or recompute
+            hits = hits[: self.policy.cut(cold)]  # onboard or recompute
         on_gpu, need, available = self.gpu_budget(hits, n_blocks)
         if need > available:
             raise OutOfBlocksError(need, available, f"sequence {seq_id!r} ({n} tokens)")
@@ -253,7 +253,7 @@ class CacheManager(EvictionCascade):
 
     def prefetch(self, tokens: Iterable[int]) -> int:
         """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``
-        would reuse it now: the fetch policy's cut) into the host tier, so that its
+        would reuse it now: the recompute policy's cut) into the host tier, so that its
         ``add_sequence`` onboards them from host memory, the read from disk done by
         then or under way. The prefix's host blocks and the promoted ones become the
         host tier's most recently used; a promotion may evict colder host blocks (to
@@ -338,7 +338,7 @@ class CacheManager(EvictionCascade):
         for seq in self._deferred_release:
             self._free_blocks(seq)
         self._deferred_release.clear()
-        for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, fetches
+        for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, reloads
             self.policy.observe_copy(copied.src, nbytes, seconds)
         if len(self.free[HOST] or ()) < self.demote_ahead and self.policy.worth_storing(DISK):
             # Writes start now and run during the next forward pass, so the next

@@ -84,6 +84,22 @@ def show_warnings_once() -> None:
     warnings.showwarning = show
 
 
+STALLED_EXIT = 3  # a rank stalled (or the ranks called different collectives): named, the job ended
+_absent: set[int] = set()  # world ranks that will never leave with the others (stalled)
+_LEAVING_TAG = 0x5A4
+
+
+def say_here(message: str) -> None:
+    """``kvdist: message`` on stderr, from this rank (every rank that says it)."""
+    print(f"kvdist: {message}", file=sys.stderr, flush=True)
+
+
+def leave_without(ranks) -> None:
+    """The world ``ranks`` will not leave with the others (stalled): ``exit_now`` waits
+    for the rest only and does not finalize MPI (MPI_Finalize would wait for them)."""
+    _absent.update(int(r) for r in ranks)
+
+
 def exit_now(code: int, wait_s: float = 30.0) -> None:
     """Leave with ``code``. With MPI initialized and a non-zero code, wait (at most
     ``wait_s``) until every rank is leaving, finalize, and skip the interpreter's exit,
@@ -99,17 +115,72 @@ def exit_now(code: int, wait_s: float = 30.0) -> None:
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")
     if code and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        # The process's last collective, over the launcher's world, outside the library.
-        done = mpi.COMM_WORLD.Ibarrier()
         deadline = time.monotonic() + wait_s
-        while not done.Test() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        if _absent:
+            _leave_together(mpi, deadline)
+        else:
+            # The process's last collective, over the launcher's world, outside the library.
+            done = mpi.COMM_WORLD.Ibarrier()
+            while not done.Test() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        if _absent:
+            _abort_job(mpi, code)
+        if _orphaned():
+            # MPI_Finalize would wait for collectives that never complete.
+            try:
+                ctypes.PyDLL(None).exit(code)
+            finally:
+                os._exit(code)
         mpi.Finalize()
         try:
             ctypes.PyDLL(None).exit(code)  # C exit handlers run, holding the GIL; Python's exit does not
         finally:
             os._exit(code)
     sys.exit(code)
+
+
+def _leave_together(mpi, deadline: float) -> None:
+    """Wait (until ``deadline``) for a message from every world rank not absent, having
+    sent one to each: every live rank is then leaving, done with its clean-up."""
+    world = mpi.COMM_WORLD
+    me = world.Get_rank()
+    peers = [r for r in range(world.Get_size()) if r != me and r not in _absent]
+    bufs = [bytearray(1) for _ in peers]
+    token = bytearray(1)
+    sends = [world.Isend([token, mpi.BYTE], dest=r, tag=_LEAVING_TAG) for r in peers]
+    recvs = [world.Irecv([b, mpi.BYTE], source=r, tag=_LEAVING_TAG) for r, b in zip(peers, bufs)]
+    while not all(r.Test() for r in recvs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    _held.append((sends, recvs, bufs, token))
+
+
+def _abort_job(mpi, code: int) -> None:
+    """End a job in which some ranks are stalled, once every live rank is leaving: only
+    the launcher can end a stopped process, and MPI_Finalize would wait for it. The
+    lowest live rank calls MPI_Abort (mpiexec then kills every rank, and its exit status
+    is ``code``; leaving by exit() instead made it report the killed rank's 9 now and
+    then); its banner is not shown (each rank has said what happened). The others wait
+    to be killed, and leave by themselves should that not come."""
+    world = mpi.COMM_WORLD
+    me = world.Get_rank()
+    if me == min(r for r in range(world.Get_size()) if r not in _absent):
+        time.sleep(0.2)  # mpiexec forwards what the ranks printed before it kills any
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        world.Abort(code)
+    time.sleep(5.0)
+    try:
+        ctypes.PyDLL(None).exit(code)
+    finally:
+        os._exit(code)
+
+
+_held: list = []  # requests of _leave_together (never freed: the process is leaving)
+
+
+def _orphaned() -> bool:
+    comm = sys.modules.get("kvdist.distributed.comm")
+    return comm is not None and comm.orphaned()
 
 
 # -- stopping on a signal ------------------------------------------------------------------------

@@ -14,14 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .distributed.remote_rules import REMOTE_RULES
 from .staging.rows import DEFAULT_ROWS
+from .staging.stager import DEFAULT_SLOTS
 from .transfer import ALL_RULES, BatchLog, EngineSeams
 
 if TYPE_CHECKING:
-    from .candidate import RankCache
     from .distributed.comm import MpiComm, SingleComm
     from .distributed.remote import RemoteTier
     from .manager import CacheManager
+    from .rank_cache import RankCache
     from .staging import Stager
     from .storage import DiskPool, GpuPool, HostPool
     from .transfer import Executor, TransferEngine
@@ -35,9 +37,10 @@ class Seams:
     rules: frozenset[str] = ALL_RULES  # of S2, S4, S5: the ones the transfer engine enforces
     tracking: str = "slot"  # S1: "slot"; "block" (by block id), "local" (tier-local index) are bugs
     protect_staging: bool = True  # S3: False is one staging buffer, rewritten under queued copies
+    staging_slots: int = DEFAULT_SLOTS  # S3: the staging ring's host buffers (1 at the least)
     table_rows: int = DEFAULT_ROWS  # initial rows of the host block table (it grows)
     copy_path: str | None = None  # CUDA: force "memcpy-batch", "runs" or "per-block"
-    remote_rules: frozenset[str] = frozenset({"R1", "R2", "R4"})  # the remote tier's rules enforced
+    remote_rules: frozenset[str] = REMOTE_RULES  # of R1, R2, R4: the ones the remote tier enforces
     # -- records -----------------------------------------------------------------------------
     batch_log: BatchLog | None = None  # each batch run: (route name, tier-local src, dst)
     copy_many_sizes: list[int] | None = None  # the length of each bulk copy the manager queued

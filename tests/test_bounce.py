@@ -7,7 +7,7 @@ import torch
 
 import kvdist.testing
 from kvdist.testing import Seams
-from kvdist.transfer import DEMOTE, FETCH, SPILL
+from kvdist.transfer import DEMOTE, RELOAD, SPILL
 from kvdist.transfer.bounce import BOUNCE_BATCH_BYTES, BouncePool, bounce_blocks
 
 
@@ -48,15 +48,15 @@ def test_a_buffer_given_back_twice_or_from_elsewhere_is_a_programming_error():
     pool.check_invariants()
 
 
-def test_fetches_and_spills_are_cut_to_what_one_bounce_buffer_holds(cfg_factory):
-    """No fetch or spill batch needs a buffer bigger than BOUNCE_BATCH_BYTES."""
+def test_reloads_and_spills_are_cut_to_what_one_bounce_buffer_holds(cfg_factory):
+    """No reload or spill batch needs a buffer bigger than BOUNCE_BATCH_BYTES."""
     assert bounce_blocks(2 << 20) == 32 and bounce_blocks(BOUNCE_BATCH_BYTES + 1) == 1
     seams = Seams()
     cache = kvdist.testing.create(cfg_factory(gpu=4, host=4, disk=8), seams)
     try:
         limits = seams.engine.batch_limits
         block = seams.manager.layout.bytes_per_block
-        assert limits[FETCH] == limits[SPILL] == bounce_blocks(block) == BOUNCE_BATCH_BYTES // block
+        assert limits[RELOAD] == limits[SPILL] == bounce_blocks(block) == BOUNCE_BATCH_BYTES // block
         assert DEMOTE in limits
     finally:
         cache.close()

@@ -1,5 +1,5 @@
 """The CUDA executor's own logic on a machine without CUDA: its per-route handlers, the
-disk batches on worker threads (demote, spill, fetch with their bounce buffers and
+disk batches on worker threads (demote, spill, reload with their bounce buffers and
 GPU halves), the host waits, ``compute_wait``, ``synchronize``, ``is_done`` and
 ``stats``, with CUDA streams and events replaced by stand-ins whose copies run at
 once on CPU tensors. Random copy streams through the transfer engine must leave
@@ -23,7 +23,7 @@ import torch
 from kvdist.blocks import SlotSpace
 from kvdist.layout import KVLayout
 from kvdist.storage import DiskPool, GpuPool, HostPool
-from kvdist.transfer import DEMOTE, FETCH, OFFLOAD, ONBOARD, TransferEngine
+from kvdist.transfer import DEMOTE, OFFLOAD, ONBOARD, RELOAD, TransferEngine
 from kvdist.transfer import cuda as cuda_executor
 
 from .test_transfer_engine import _queue, _random_moves
@@ -196,7 +196,7 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed, group
                 content[d] = content[s]
             _queue(engine, moves, bulk=rng.random() < 0.5)
         engine.before_compute(layered=ex.layered)
-        for layer in range(LAYOUT.num_layers):  # S5 layer by layer: a fetch's GPU half lands here
+        for layer in range(LAYOUT.num_layers):  # S5 layer by layer: a reload's GPU half lands here
             engine.before_layer(layer)
         engine.check_invariants()
     engine.synchronize()
@@ -208,10 +208,10 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(tiers, seed, group
     assert not ex._inflight and not ex._unsettled
 
 
-def test_a_fetch_gives_its_bounce_back_while_an_earlier_demotion_is_still_writing(tiers):
-    """Disk batches finish in any order: a fetch's bounce buffer is free once the fetch
+def test_a_reload_gives_its_bounce_back_while_an_earlier_demotion_is_still_writing(tiers):
+    """Disk batches finish in any order: a reload's bounce buffer is free once the reload
     is done, not once every disk batch queued before it is (a slow demotion at the head
-    would otherwise make every later fetch allocate pinned memory of its own)."""
+    would otherwise make every later reload allocate pinned memory of its own)."""
     caps = (4, 4, 4)
     (gpu, host, disk), ex, content = tiers(caps, delay_s=0.0)
     gate = threading.Event()
@@ -224,10 +224,10 @@ def test_a_fetch_gives_its_bounce_back_while_an_earlier_demotion_is_still_writin
     reserved = ex.stats()["bounce_allocations"]  # allocated with the executor
     try:
         demotion = ex.submit(DEMOTE, [0], [0], [])
-        fetch = ex.submit(FETCH, [1], [2], [])
+        reload = ex.submit(RELOAD, [1], [2], [])
         deadline = time.monotonic() + 10
-        while not ex.is_done(fetch):
-            assert time.monotonic() < deadline, "the fetch never finished"
+        while not ex.is_done(reload):
+            assert time.monotonic() < deadline, "the reload never finished"
             time.sleep(0.001)
         ex.record_compute()  # the executor tidies up on its next call
         st = ex.stats()
@@ -235,7 +235,7 @@ def test_a_fetch_gives_its_bounce_back_while_an_earlier_demotion_is_still_writin
         assert st["bounces_lent"] == 0 and st["bounce_allocations"] == reserved
         assert torch.equal(gpu.raw[2], _pattern(content[sum(caps[:2]) + 1]))
         for slot in (2, 3, 0):  # one after the other: each takes a buffer given back
-            ex.wait_host([ex.submit(FETCH, [slot], [3], [])])
+            ex.wait_host([ex.submit(RELOAD, [slot], [3], [])])
             ex.record_compute()
         assert ex.stats()["bounce_allocations"] == reserved
     finally:

@@ -58,7 +58,7 @@ def test_churn_hits_every_tier_with_exact_bytes(cache):
     d = churn(cache)
     s = cache.stats()
     assert all(s["hit_tokens"][t] > 0 for t in ("gpu", "host", "disk")), s["hit_tokens"]
-    assert min(s["blocks_moved"][k] for k in ("offload", "onboard", "demote", "fetch")) > 0
+    assert min(s["blocks_moved"][k] for k in ("offload", "onboard", "demote", "reload")) > 0
     assert d.checked_tokens > 4000
     assert d.mismatched_tokens == 0, d.first_mismatch
 

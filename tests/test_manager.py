@@ -129,7 +129,7 @@ def test_cascade_gpu_host_disk_exact(make):
     assert m.seqs["s4"].slots == [2, 0, 1]
     s = cache.stats()
     assert s["hit_tokens"] == {"gpu": 0, "host": 4, "disk": 4}
-    assert s["blocks_moved"] == {"offload": 6, "onboard": 1, "demote": 4, "spill": 0, "fetch": 1,
+    assert s["blocks_moved"] == {"offload": 6, "onboard": 1, "demote": 4, "spill": 0, "reload": 1,
                                  "promote": 0}
     assert s["dropped"] == 2
     assert s["bytes_offloaded"] == 6 * 512 and s["bytes_onboarded"] == 2 * 512
@@ -247,7 +247,7 @@ def test_demote_ahead_keeps_host_slots_free_exact(cfg_factory, tmp_path):
         d.step("s3", T(300))  # two more offloads (6, 3): the two coldest (4, 5) go to disk
         assert list(m.lru[1]) == [6, 3] and list(m.lru[2]) == [7, 8, 9]
         assert cache.stats()["blocks_moved"] == {"offload": 5, "onboard": 0, "demote": 3, "spill": 0,
-                                                 "fetch": 0, "promote": 0}
+                                                 "reload": 0, "promote": 0}
         assert d.step("again", T(0) + [99]) == 8  # s0's blocks, demoted ahead, come back from disk
         assert cache.stats()["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 8}
         assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
@@ -280,13 +280,13 @@ def test_prefetch_promotes_a_prompts_disk_blocks_exact(cfg_factory):
         assert d.step("s4", T(0) + [99]) == 8
         s = cache.stats()
         assert s["hit_tokens"] == {"gpu": 0, "host": 8, "disk": 0}
-        assert s["blocks_moved"]["promote"] == 1 and s["blocks_moved"]["fetch"] == 0
+        assert s["blocks_moved"]["promote"] == 1 and s["blocks_moved"]["reload"] == 0
         assert d.drv.mismatched_tokens == 0 and d.drv.checked_tokens == 8
     finally:
         cache.close()
 
 
-def test_prefetch_follows_the_fetch_policy(cfg_factory):
+def test_prefetch_follows_the_recompute_policy(cfg_factory):
     """A disk the agreed figures call slower than recomputing is not prefetched from."""
     seams = Seams()
     cache = kvdist.testing.create(cfg_factory(gpu=3, host=2, disk=2), seams)

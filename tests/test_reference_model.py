@@ -391,7 +391,7 @@ def assert_same(m: CacheManager, ref: RefCache) -> None:
     assert c.hit_tokens == ref.hit_tokens
     assert c.evictions == ref.evictions
     assert c.dropped == ref.dropped
-    directions = {(0, 1): "offload", (1, 0): "onboard", (1, 2): "demote", (0, 2): "spill", (2, 0): "fetch",
+    directions = {(0, 1): "offload", (1, 0): "onboard", (1, 2): "demote", (0, 2): "spill", (2, 0): "reload",
                   (2, 1): "promote"}
     assert c.blocks_moved == {d: ref.moved[k] for k, d in directions.items()}
 

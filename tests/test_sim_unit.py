@@ -19,10 +19,12 @@ from kvdist.sim.engine.model import Decoder, Geometry, Segment
 from kvdist.sim.engine.parallel import TensorParallel
 from kvdist.sim.engine.scheduler import Scheduler
 from kvdist.sim.experiment.clock import Latencies
-from kvdist.sim.experiment.driver import CACHE_CALLS, RunOptions, Simulation, run
 from kvdist.sim.experiment.integrity import BlockLedger
+from kvdist.sim.experiment.job import run, solo
 from kvdist.sim.experiment.metrics import MetricsServer, snapshot_from
+from kvdist.sim.experiment.options import RunOptions
 from kvdist.sim.experiment.report import REQUIRED_KEYS
+from kvdist.sim.experiment.timing import CACHE_CALLS
 from kvdist.sim.experiment.workload import Request, Trace, generate
 
 from .conftest import make_cfg
@@ -278,7 +280,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     """Rule off: the cache hands back a reused block whose K was overwritten. The
     digest check and the logits check must both report it, and the run fails."""
     corrupted, reused_now = [], {}
-    real_create = kvdist.sim.experiment.driver.create
+    real_create = kvdist.sim.experiment.parts.create
 
     class CorruptingCache:
         """The cache, but a reused block's K is overwritten once it is handed back."""
@@ -305,7 +307,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
     def corrupting_create(cfg, comm=None):
         return CorruptingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", corrupting_create)
+    monkeypatch.setattr(kvdist.sim.experiment.parts, "create", corrupting_create)
     r = run(sim_cfg(tmp_path), RunOptions(out=None, progress=False))
     assert corrupted
     assert not r["ok"]
@@ -315,11 +317,11 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
 
 
 def test_no_reuse_replay_proves_the_trace_fits(tmp_path):
-    sim = Simulation(sim_cfg(tmp_path, requests=40), RunOptions(out=None, progress=False))
+    sim = solo(sim_cfg(tmp_path, requests=40), RunOptions(out=None, progress=False))
     try:
         r = sim.run()
         assert r["reused_tokens_gpu_only"] > 0
-        assert sim.shadows.reused()["no reuse"] == 0
+        assert sim.reporter.shadows.reused()["no reuse"] == 0
         assert r["prefill_tokens_saved"]["vs gpu-only"] == sum(r["reused_tokens"].values()) - \
             r["reused_tokens_gpu_only"]
     finally:
@@ -464,3 +466,99 @@ def test_real_time_arrivals_wait_for_the_clock_and_the_previous_turn():
     lat.finish[0] = follow.arrival_s + 1.0  # the previous turn finished after the next one 'arrived'
     lat.admitted(follow)
     assert lat.arrival[follow.rid] == follow.arrival_s + 1.0
+
+
+def _sim_imports() -> dict[str, set[str]]:
+    """Every module of ``kvdist.sim`` and the ``kvdist.sim`` modules it imports (at
+    the top or inside a function; ``TYPE_CHECKING`` imports too), read with ``ast``."""
+    import ast
+
+    root = Path(kvdist.__file__).parent / "sim"
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = ("kvdist", "sim", *path.relative_to(root).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                mod = f"{base}.{node.module}" if node.level and node.module else (node.module or base)
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t.startswith("kvdist.sim."))
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_the_engine_imports_nothing_of_the_experiment():
+    graph = _sim_imports()
+    engine = [m for m in graph if m.startswith("kvdist.sim.engine")]
+    assert len(engine) >= 7, engine
+    wrong = {m: sorted(d for d in graph[m] if d.startswith("kvdist.sim.experiment")) for m in engine}
+    assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def test_no_import_circles_in_the_simulation():
+    graph = _sim_imports()
+    circles = []
+    for start in sorted(graph):  # a path from a module back to itself
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    circles.append(" -> ".join(path + [start]))
+                elif nxt not in seen and nxt > start:  # each circle once, from its least module
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    assert circles == []
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "run-ahead"])
+def test_every_step_reports_the_tokens_its_decodes_appended(tmp_path, monkeypatch, ahead):
+    """A request's decodes append its reply's tokens in order, all but the last (whose
+    K/V no step writes), and the reporter (the replays, a replica's step log) records
+    exactly those: taken before the scheduler moves the plan's requests on."""
+    from kvdist.sim.experiment.reporters import JobReporter
+
+    seen: dict[int, list[int]] = {}
+    real_step = JobReporter.step
+
+    def step(self, plan, appends, done):
+        for rid, token in appends:
+            seen.setdefault(rid, []).append(token)
+        real_step(self, plan, appends, done)
+
+    monkeypatch.setattr(JobReporter, "step", step)
+    cfg = sim_cfg(tmp_path, requests=40, run_ahead=ahead)
+    r = run(cfg, RunOptions(out=None, progress=False))
+    assert r["ok"]
+    trace = generate(cfg.workload)
+    assert seen == {q.rid: q.output[:-1].tolist() for q in trace.requests if len(q.output) > 1}
+
+
+def test_compare_runs_the_serial_loop_next_to_all_tiers_where_that_runs_ahead(tmp_path):
+    from kvdist.sim.experiment.compare import configurations, render, run_compare
+
+    cfg = sim_cfg(tmp_path, requests=20, request_rate=200.0)
+    names = ("all-tiers", "gpu-only", "no-reuse")
+    assert configurations(cfg, names, torch.device("cpu")) == list(names)
+    assert configurations(cfg, names, torch.device("cuda")) == ["all-tiers", "all-tiers-serial", "gpu-only",
+                                                                 "no-reuse"]
+    serial = cfg.replace(workload={"run_ahead": False})
+    assert configurations(serial, names, torch.device("cuda")) == list(names)
+    ahead = cfg.replace(workload={"run_ahead": True})
+    r = run_compare(ahead, RunOptions(out=None, progress=False, configs=("all-tiers",)))
+    assert r["ok"] and list(r["runs"]) == ["all-tiers", "all-tiers-serial"]
+    on, off = r["runs"]["all-tiers"], r["runs"]["all-tiers-serial"]
+    assert on["critical_path"]["run_ahead"] and not off["critical_path"]["run_ahead"]
+    assert on["critical_path"]["timers"] == off["critical_path"]["timers"] == "host timers"
+    assert on["requests"] == off["requests"] == 20
+    q = r["run_ahead_vs_serial"]
+    assert q["ttft_p50"] == on["latency"]["ttft_ms"]["p50"] / off["latency"]["ttft_ms"]["p50"]
+    assert "all tiers running ahead vs serial" in render(r)

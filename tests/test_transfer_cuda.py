@@ -169,7 +169,7 @@ def test_batched_path_is_used_and_visible_in_stats(cfg_factory, groups):
 
 
 def test_disk_directions_on_worker_threads_keep_bytes(cfg_factory):
-    """Spill, demote and fetch through the worker threads, checked by the integrity churn."""
+    """Spill, demote and reload through the worker threads, checked by the integrity churn."""
     from .test_integrity import churn
 
     cache = kvdist.create(cfg_factory(gpu=24, host=8, disk=128, device="cuda"))

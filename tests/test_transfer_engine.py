@@ -11,10 +11,10 @@ import pytest
 from kvdist.blocks import SlotSpace
 from kvdist.transfer import (
     DEMOTE,
-    FETCH,
     OFFLOAD,
     ONBOARD,
     PROMOTE,
+    RELOAD,
     SPILL,
     EngineSeams,
     Route,
@@ -85,7 +85,7 @@ def _check_s2(batches) -> None:
 
 def _random_moves(rng, space: SlotSpace, n: int) -> list[tuple[Route, int, int]]:
     """``n`` random copies (route, global src, global dst): of one route 80% of the time."""
-    routes = [OFFLOAD, ONBOARD, DEMOTE, SPILL, FETCH, PROMOTE]
+    routes = [OFFLOAD, ONBOARD, DEMOTE, SPILL, RELOAD, PROMOTE]
     one = routes[rng.integers(len(routes))] if rng.random() < 0.8 else None
     moves = []
     for _ in range(n):

@@ -127,7 +127,7 @@ def _run(mode: str, block: int, n: int, tokens: int, steps: int) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t_first) / steps if ahead else statistics.median(walls)
         s = cache.stats()
-        rate = s["fetch_policy"]["host_bytes_per_s"]
+        rate = s["recompute_policy"]["host_bytes_per_s"]
         c = cache.config.cache
         used = cache.layout.groups_for(c.layer_groups, c.min_copy_piece)
         return {"mode": mode, "block": block, "groups": used,

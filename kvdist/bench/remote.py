@@ -35,17 +35,18 @@ import torch
 from tabulate import tabulate
 
 from ..blocks import GPU, HOST
-from ..distributed.fetch import LANDED, Batch
+from ..distributed.message_server import MessageServer
 from ..distributed.message_transport import MessageTransport
+from ..distributed.peer_copy import make_copier
 from ..distributed.remote import shm_dir
-from ..distributed.shared_transport import PeerCopier, SharedTransport
+from ..distributed.shared_transport import SharedTransport
 from ..distributed.stamps import SlotStamps
+from ..distributed.transport import LANDED, Batch
 from ..layout import KVLayout
 from ..storage import GpuPool, HostPool
 from ..transfer import HostCopies, SyncExecutor
 
 SIZES = {"128KiB": 128 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
-RULES = {"R1", "R2", "R4"}
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -155,7 +156,7 @@ class Holder:
         self.stamps = SlotStamps(n, path)
         slots = np.arange(n)
         self.stamps.publish(slots, (slots + 1).astype(np.uint64), np.zeros(n, dtype=np.uint64))
-        self.server = MessageTransport(comm, self.pool.raw, self.stamps, DetachedSlots(None), RULES)
+        self.server = MessageServer(comm, self.pool.raw, self.stamps)
 
 
 def run_sizes(args, comm, device: torch.device) -> list[dict]:
@@ -255,9 +256,9 @@ def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
         peer = HostPool(layout, cap, pin=pin, device=device if pin else None, shared_path=host_path,
                         attach=True)
         stamps = SlotStamps(cap, stamps_path, attach=True)
-        copier = PeerCopier(executor, device)
-        shared = SharedTransport(peer, stamps, {GPU: gpu.raw, HOST: landing_host.raw}, copier, slots, RULES)
-    messages = MessageTransport(comm, landing_host.raw, SlotStamps(cap), slots, RULES)
+        copier = make_copier(device, False, executor)
+        shared = SharedTransport(peer, stamps, {GPU: gpu.raw, HOST: landing_host.raw}, copier, slots)
+    messages = MessageTransport(comm, landing_host.raw, slots, executor)
     n = len(src)
     flat_dst = landing_host.raw.numpy().reshape(-1)[:nbytes]
     for _ in range(args.rounds + 1):
@@ -269,7 +270,7 @@ def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
                 add("own_pinned_contiguous",
                     _timed(lambda: _contiguous(gpu.raw[:n], landing_host.raw[:n], landing_host.chunk_blocks),
                            device))
-        add("messages", _fetch(messages, _batch(src, dst, HOST), serve=messages.service))
+        add("messages", _fetch(messages, _batch(src, dst, HOST), serve=messages.progress))
         t0 = time.perf_counter()
         comm.send("blocks", dest=0, tag=98)
         _blocks(comm, 0, landing_host.raw.numpy(), dst, send=False)
@@ -284,8 +285,8 @@ def _fetcher(args, comm, device, layout, cap, info, src, dst, nbytes) -> dict:
     out["rounds"] = rounds
     flat_dst = None  # no view of the landing tier outlives it
     if same_node:
-        shared.close()
-    messages.close()
+        shared.close([])
+    messages.close([])
     executor.close()
     landing_host.close()
     gpu.close()

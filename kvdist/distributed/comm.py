@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import sys
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, ConsensusTimeout
+from ..errors import CollectiveMismatch, ConfigError, ConsensusTimeout
+from . import stall
 
 FAKE_RANKS_PER_NODE_ENV = "KVDIST_FAKE_RANKS_PER_NODE"
 
@@ -48,6 +51,11 @@ def keep_alive(*things: object) -> None:
     the process: MPI may still complete operations nobody can wait for (a peer that is
     stopped or gone) and must not find their memory freed."""
     _ORPHANS.append(things)
+
+
+def orphaned() -> bool:
+    """Whether a collective of this process never completed (timed out, or a stall)."""
+    return bool(_ORPHANS)
 
 
 def mpi_is_running() -> bool:
@@ -113,10 +121,32 @@ class SingleComm:
     def allreduce_min_array(self, values: np.ndarray, what: str) -> np.ndarray:
         return np.asarray(values, dtype=np.int64).reshape(-1).copy()
 
-    def allgather(self, obj: object, what: str) -> list[object]:
+    def allgather(self, obj: object, what: str, timeout_s: float | None = None) -> list[object]:
         return [obj]
 
-    def barrier(self, what: str) -> None:
+    def allreduce_sum_(self, array: np.ndarray, what: str) -> np.ndarray:
+        return array
+
+    def bcast(self, obj: object, what: str, timeout_s: float | None = None) -> object:
+        return obj
+
+    def barrier(self, what: str, timeout_s: float | None = None) -> None:
+        pass
+
+    def run_time(self, step_timeout_s: float | None) -> None:
+        pass
+
+    @property
+    def usable(self) -> bool:
+        return True
+
+    def take_notices(self) -> list:
+        return []
+
+    def peek_notices(self) -> list:
+        return []
+
+    def notify_all(self, obj: object) -> None:
         pass
 
     def free(self) -> None:
@@ -125,7 +155,8 @@ class SingleComm:
 
 class MpiComm:
     """A Dup of an mpi4py communicator, its node layout, and collectives bounded by
-    ``timeout_s``."""
+    ``timeout_s`` — at run time (after :meth:`run_time`) by the step deadline instead,
+    each preceded by a tag naming the call (see the module docstring)."""
 
     def __init__(self, comm, timeout_s: float):
         from mpi4py import MPI
@@ -136,6 +167,10 @@ class MpiComm:
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.mpi = None
+        self.pace: stall.Pace | None = None  # run time: the step deadline
+        self.watch: stall.Watch | None = None  # run time: where a stall is told
+        # Run time: polled while waiting; an exception it returns ends the wait (raised).
+        self.interrupt: Callable[[], BaseException | None] | None = None
         dup, req = comm.Idup()
         self._wait(req, time.monotonic() + timeout_s, "joining the communicator (Idup)", (dup,))
         self.mpi = dup
@@ -153,21 +188,60 @@ class MpiComm:
     def local_size(self) -> int:
         return self.node.local_size
 
+    @property
+    def usable(self) -> bool:
+        """Whether collectives can still run: none timed out, and (at run time) the
+        process learned of no stall."""
+        return self.broken is None and self.mpi is not None and (self.pace is None or stall.ended() is None)
+
+    def run_time(self, step_timeout_s: float | None) -> None:
+        """From now on bound every collective by the step deadline (``None``: auto) and
+        name the ranks that do not arrive (collective; once, later calls do nothing)."""
+        if self.pace is not None:
+            return
+        deadline = self._usable("run-time watch")
+        dup, req = self.mpi.Idup()
+        self._wait(req, deadline, "run-time watch", (dup,))
+        # The world rank names a rank for the operator (mpiexec's numbering) only.
+        me = stall.Peer(self.MPI.COMM_WORLD.Get_rank(), socket.gethostname(), os.getpid())
+        try:
+            peers = self.allgather(me, "run-time watch")
+        except BaseException:
+            keep_alive(dup)
+            raise
+        self.watch = stall.Watch(dup, peers, self.rank)
+        self.pace = stall.Pace(step_timeout_s, self.timeout_s)
+
     # -- deadline-bounded completion ------------------------------------------------------
     def _wait(self, req, deadline: float, what: str, keep: tuple) -> None:
-        """Poll ``req`` until it completes or ``deadline`` passes (then ConsensusTimeout).
+        """Poll ``req`` until it completes or ``deadline`` passes (then ConsensusTimeout,
+        or at run time the stall's error naming the ranks that did not arrive).
 
         Polling is the only way to bound an MPI wait. For the first ~10 ms the rank
         yields its core between polls (peers that arrive together finish in a few round
         trips even when ranks outnumber cores); after that it sleeps up to 2 ms between
-        polls, leaving the cores to ranks still pinning their host tiers."""
+        polls, leaving the cores to ranks still pinning their host tiers. At run time it
+        also answers the stall reports of peers (every watch of the process)."""
         start = time.monotonic()
         pause = 5e-5
+        watched = self.pace is not None
+        next_poll = start
         while not req.Test():
             now = time.monotonic()
+            if watched and now >= next_poll:
+                next_poll = now + 0.005
+                try:
+                    stall.poll(what, start)
+                    stop = self.interrupt() if self.interrupt is not None else None
+                    if stop is not None:
+                        raise stop
+                except BaseException:
+                    self._orphan(req, keep, what)
+                    raise
             if now >= deadline:
-                _ORPHANS.append((req, keep))
-                self.broken = what
+                self._orphan(req, keep, what)
+                if watched:
+                    raise stall.expired(self.watch, what, now - start, self.pace.setting())
                 raise ConsensusTimeout(
                     f"rank {self.rank}: collective '{what}' did not complete within "
                     f"{self.timeout_s:g} s (distributed.consensus_timeout_s): at least one of "
@@ -175,21 +249,75 @@ class MpiComm:
             if now - start < 0.01:
                 os.sched_yield()
             else:
-                time.sleep(min(pause, deadline - now))
+                time.sleep(max(0.0, min(pause, deadline - now)))
                 pause = min(pause * 2, 2e-3)
+        if watched:
+            self.pace.completed()
 
-    def _usable(self, what: str) -> float:
+    def _orphan(self, req, keep: tuple, what: str) -> None:
+        _ORPHANS.append((req, keep))
+        self.broken = what
+
+    def _usable(self, what: str, timeout_s: float | None = None) -> float:
+        if self.pace is not None and stall.ended() is not None:
+            self.broken = self.broken or what
+            raise stall.ended()
         if self.broken is not None:
             raise ConsensusTimeout(
                 f"rank {self.rank}: cannot run '{what}': the communicator is unusable since "
                 f"collective '{self.broken}' timed out")
         assert self.mpi is not None, "collective on a freed communicator"
-        return time.monotonic() + self.timeout_s
+        if timeout_s is None:
+            timeout_s = self.timeout_s if self.pace is None else self.pace.timeout_s()
+        return time.monotonic() + timeout_s
+
+    def _header(self, what: str, count: int, deadline: float) -> np.ndarray:
+        """Run time: every rank's ``(tag of what, count)`` (``[size, 2]``), raising
+        CollectiveMismatch on every rank when the ranks called different collectives or
+        passed different counts. Start-up: nothing to compare (None)."""
+        stall.poll(what, time.monotonic())  # a stall a peer found ends this call at once
+        mine = np.array([zlib.crc32(what.encode()), count], dtype=np.int64)
+        rows = np.empty((self.size, 2), dtype=np.int64)
+        self._wait(self.mpi.Iallgather(mine, rows), deadline, what, (mine, rows))
+        if (rows[:, 0] != rows[0, 0]).any():
+            names = self._gather_plain(what, "call names", deadline)
+            self.broken = what
+            first = self.MPI.COMM_WORLD.Get_rank() - self.rank  # world rank of rank 0, when contiguous
+            calls = {r: n for r, n in enumerate(names)}
+            odd = "; ".join(f"rank {r} called {n}" for r, n in calls.items() if n != what)
+            raise CollectiveMismatch(
+                f"rank {self.rank} called {what}, but {odd} (ranks of this communicator; world rank = "
+                f"{first} + rank): the ranks called different collectives", calls)
+        return rows
+
+    def _gather_plain(self, obj: object, what: str, deadline: float) -> list:
+        """Every rank's ``obj``, without a header (everyone is known to call it)."""
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        size = np.array([data.size], dtype=np.int64)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self._wait(self.mpi.Iallgather(size, sizes), deadline, what, (size, sizes))
+        return self._gatherv(data, sizes, deadline, what)
+
+    def _gatherv(self, data: np.ndarray, sizes: np.ndarray, deadline: float, what: str) -> list:
+        offsets = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+        req = self.mpi.Iallgatherv(data, [recv, (sizes, offsets), self.MPI.BYTE])
+        self._wait(req, deadline, what, (data, recv, sizes, offsets))
+        return [pickle.loads(recv[o:o + n].tobytes()) for o, n in zip(offsets.tolist(), sizes.tolist())]
 
     # -- collectives ------------------------------------------------------------------------
     def _allreduce(self, values: Sequence[int], op, what: str) -> np.ndarray:
         deadline = self._usable(what)
         send = np.asarray(values, dtype=np.int64).reshape(-1)
+        if self.pace is not None:
+            rows = self._header(what, send.size, deadline)
+            if (rows[:, 1] != send.size).any():
+                self.broken = what
+                raise CollectiveMismatch(
+                    f"'{what}': the ranks passed different numbers of values "
+                    f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(rows[:, 1].tolist()))})",
+                    {r: what for r in range(self.size)})
         recv = np.empty_like(send)
         self._wait(self.mpi.Iallreduce(send, recv, op=op), deadline, what, (send, recv))
         return recv
@@ -206,35 +334,70 @@ class MpiComm:
         """Element-wise MIN over ranks of an int array (as int64)."""
         return self._allreduce(values, self.MPI.MIN, what)
 
+    def allreduce_sum_(self, array: np.ndarray, what: str) -> np.ndarray:
+        """SUM over ranks of a contiguous numeric array, in place. No tag: the hot path
+        of a tensor-parallel model (the same call on every rank by construction), still
+        bounded by the deadline."""
+        deadline = self._usable(what)
+        self._wait(self.mpi.Iallreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM), deadline, what, (array,))
+        return array
+
     def allgather_ints(self, values: Sequence[int], what: str) -> np.ndarray:
         """``[size, len(values)]`` int64: row r is rank r's ``values``."""
         deadline = self._usable(what)
         send = np.asarray(values, dtype=np.int64).reshape(-1)
+        if self.pace is not None:
+            self._header(what, send.size, deadline)
         recv = np.empty((self.size, send.size), dtype=np.int64)
         self._wait(self.mpi.Iallgather(send, recv), deadline, what, (send, recv))
         return recv
 
-    def allgather(self, obj: object, what: str) -> list[object]:
-        """Every rank's picklable ``obj``, in rank order (two collectives: sizes, bytes)."""
-        deadline = self._usable(what)
+    def allgather(self, obj: object, what: str, timeout_s: float | None = None) -> list[object]:
+        """Every rank's picklable ``obj``, in rank order (two collectives: sizes, bytes).
+        ``timeout_s``: this call's bound instead of the communicator's."""
+        deadline = self._usable(what, timeout_s)
+        if self.pace is None:
+            return self._gather_plain(obj, what, deadline)
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-        size = np.array([data.size], dtype=np.int64)
-        sizes = np.empty(self.size, dtype=np.int64)
-        self._wait(self.mpi.Iallgather(size, sizes), deadline, what, (size, sizes))
-        offsets = np.zeros(self.size, dtype=np.int64)
-        np.cumsum(sizes[:-1], out=offsets[1:])
-        recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-        req = self.mpi.Iallgatherv(data, [recv, (sizes, offsets), self.MPI.BYTE])
-        self._wait(req, deadline, what, (data, recv, sizes, offsets))
-        return [pickle.loads(recv[o:o + n].tobytes()) for o, n in zip(offsets.tolist(), sizes.tolist())]
+        sizes = self._header(what, data.size, deadline)[:, 1].copy()
+        return self._gatherv(data, sizes, deadline, what)
 
-    def barrier(self, what: str) -> None:
-        deadline = self._usable(what)
-        self._wait(self.mpi.Ibarrier(), deadline, what, ())
+    def bcast(self, obj: object, what: str, timeout_s: float | None = None) -> object:
+        """Rank 0's picklable ``obj`` on every rank (run time only)."""
+        deadline = self._usable(what, timeout_s)
+        assert self.pace is not None, "bcast is a run-time collective"
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == 0 else np.empty(0, np.uint8)
+        n = int(self._header(what, data.size, deadline)[0, 1])
+        buf = data.copy() if self.rank == 0 else np.empty(n, dtype=np.uint8)
+        self._wait(self.mpi.Ibcast(buf, root=0), deadline, what, (buf,))
+        return obj if self.rank == 0 else pickle.loads(buf.tobytes())
+
+    def barrier(self, what: str, timeout_s: float | None = None) -> None:
+        deadline = self._usable(what, timeout_s)
+        if self.pace is not None:
+            self._header(what, 0, deadline)  # completes once every rank called it
+        else:
+            self._wait(self.mpi.Ibarrier(), deadline, what, ())
+
+    def notify_all(self, obj: object) -> None:
+        """Post ``obj`` to every other rank, point to point (run time; see stall.Watch)."""
+        assert self.watch is not None, "notices need run_time()"
+        self.watch.notify_all(obj)
+
+    def take_notices(self) -> list:
+        """What other ranks posted with ``notify_all`` since the last call, oldest first."""
+        return [] if self.watch is None else self.watch.take_notices()
+
+    def peek_notices(self) -> list:
+        """What ``take_notices`` would return, left there."""
+        return [] if self.watch is None else self.watch.peek_notices()
 
     def free(self) -> None:
         """Release the Dup. After a timeout the Dup stays allocated: MPI may still
         progress the orphaned collective on it."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.mpi is not None:
             if self.broken is None:
                 self.mpi.Free()

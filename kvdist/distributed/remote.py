@@ -11,14 +11,14 @@ an ordinary cached block) only when every TP rank of the replica has it whole (R
 stale and late blocks are misses.
 
 Step boundaries are where the replica's ranks agree: one MIN-reduce inside the TP
-group (at ``begin_step``, or at ``end_step`` riding on the fetch policy's) carries the
+group (at ``begin_step``, or at ``end_step`` riding on the recompute policy's) carries the
 directory message counts (R4: all apply the same prefix) and every in-flight block's
 outcome bits (R1). Nothing after start-up is
 collective across replicas (R3); a fetch waits at most ``fetch_timeout_ms``.
 
 ``add_sequence`` pulls a prompt's remote blocks itself (waiting up to the timeout)
-unless a ``prefetch`` already started them; ``rules`` can drop R1, R2 or R4 for the
-tests that show what each one prevents."""
+unless a ``prefetch`` already started them; ``rules`` (a frozen ``RemoteRules``, read
+at construction) can drop R1, R2 or R4 for the tests that show what each one prevents."""
 
 from __future__ import annotations
 
@@ -36,11 +36,12 @@ from ..eviction import DEFAULT_PRIORITY
 from ..prefix import MASK64
 from .directory import Directory
 from .directory_channel import DirectoryChannel
-from .fetch import DONE, GOOD, NOTBAD, REASONS, Batch, Transport
 from .host_changes import HostChanges, HostSlots
+from .message_server import MessageServer
+from .remote_rules import RemoteRules
 from .stamps import SlotStamps
+from .transport import DONE, GOOD, NOTBAD, REASONS, Batch, Fetcher
 
-ALL_RULES = frozenset({"R1", "R2", "R4"})
 _PREFETCH_RECORDS = 4096  # prefetches remembered for add_sequence's hit accounting
 
 
@@ -89,7 +90,7 @@ class RemoteTier:
     ``kvdist.distributed.remote_setup``; driven by ``KVCache``."""
 
     def __init__(self, *, tp, channel: DirectoryChannel, directory: Directory, stamps: SlotStamps,
-                 transports: dict[int, Transport], server: Transport, rules: set[str],
+                 transports: dict[int, Fetcher], server: MessageServer, rules: RemoteRules,
                  slots: LocalSlots, fetch_timeout_s: float, replica: int, num_replicas: int,
                  bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1):
         self.tp = tp  # the TP group's communicator (MpiComm, or SingleComm for TP 1)
@@ -103,7 +104,7 @@ class RemoteTier:
         # At most half a tier's slots wait for fetches at once (the rest keeps caching).
         self.landing_cap = {t: n // 2 for t, n in capacity.items()}
         self.landing_used = dict.fromkeys(capacity, 0)
-        self.rules = rules  # live: the transports read it too (tests drop rules)
+        self.rules = rules  # frozen; the transports were given theirs when built
         # Directory messages go out every ``every`` steps (step counts decide it, so the TP
         # ranks of a replica cut the same messages); agreements without blocks in flight
         # happen at the same steps.
@@ -118,18 +119,18 @@ class RemoteTier:
         self.counters = RemoteCounters()
         self.local_prefix: list[int] | None = None  # see _plan
         self._agreed: np.ndarray | None = None  # directory counts the last end_step agreed on
-        # Every transport once (one message transport serves all peers, and answers them).
-        self._unique = {id(t): t for t in (*transports.values(), server)}
-        self._servers = [t for t in self._unique.values() if t.serves]  # holders that take part
-        self._server = server
+        # Every fetcher once (one message transport fetches from all peers it reaches).
+        self._fetchers = list({id(t): t for t in transports.values()}.values())
+        self.server = server  # the holder's side of the message transport: answers peers
 
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = (), directory: bool = True) -> None:
         """Answer peers, match arrived directory messages (if ``directory``), poll the
         fetches in flight and ``also`` (never blocks)."""
         t0 = time.perf_counter()
-        for t in self._servers:
-            t.service()
+        self.server.service()
+        for f in self._fetchers:
+            f.progress()
         if directory:
             self.channel.poll()
         if self.inflight or also:
@@ -161,7 +162,7 @@ class RemoteTier:
         """Every ``every`` steps: stamp valid what landed in the host tier and tell the
         peers what changed in it (they cannot ask for a block before they hear of it).
         ``extra``: figures the caller MIN-reduces over the TP group at every step (the
-        fetch policy's). When the next ``begin_step`` would agree (blocks in flight, or a
+        recompute policy's). When the next ``begin_step`` would agree (blocks in flight, or a
         directory boundary), the agreement rides on that MIN-reduce now and the agreed
         ``extra`` is returned; otherwise None (the caller reduces its figures itself)."""
         t0 = time.perf_counter()
@@ -212,7 +213,8 @@ class RemoteTier:
         states = (np.concatenate([b.state for b in batches]) if batches
                   else np.zeros(0, dtype=np.uint8)).astype(np.int64)
         ride = [] if extra is None else list(extra)
-        if self.tp.size == 1 or ("R1" not in self.rules and "R4" not in self.rules and not ride):
+        rules = self.rules
+        if self.tp.size == 1 or not (rules.agree_outcomes or rules.agree_directory or ride):
             return counts, states.astype(np.uint8), extra
         bits = [(states & bit) != 0 for bit in (GOOD, DONE, NOTBAD)]
         mine = np.concatenate([np.array(ride, dtype=np.int64),
@@ -221,8 +223,8 @@ class RemoteTier:
         agreed_extra = None if extra is None else out[:len(ride)].tolist()
         out = out[len(ride):]
         n = 0 if counts is None else len(counts)
-        agreed_counts = out[:n] if "R4" in self.rules else counts
-        if "R1" in self.rules:
+        agreed_counts = out[:n] if rules.agree_directory else counts
+        if rules.agree_outcomes:
             k = len(states)
             g, d, nb = out[n:n + k], out[n + k:n + 2 * k], out[n + 2 * k:n + 3 * k]
             states = g * GOOD + d * DONE + nb * NOTBAD
@@ -469,12 +471,10 @@ class RemoteTier:
 
     def close(self) -> None:
         self.channel.close()
-        for t in self._unique.values():
-            if t is self._server:
-                t.close([b for b in self.inflight if self.transports[b.peer] is t])
-            else:
-                t.close()
-        self.transports, self._unique, self.inflight = {}, {}, []
+        for f in self._fetchers:
+            f.close([b for b in self.inflight if self.transports[b.peer] is f])
+        self.server.close()
+        self.transports, self._fetchers, self.inflight = {}, [], []
         self.stamps.close()
 
 
@@ -483,4 +483,4 @@ def shm_dir() -> str:
     return os.environ.get("KVDIST_SHM_DIR", "/dev/shm")
 
 
-__all__ = ["ALL_RULES", "GPU", "HOST", "LocalSlots", "RemoteTier", "shm_dir"]
+__all__ = ["GPU", "HOST", "LocalSlots", "RemoteTier", "shm_dir"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import faults
+from ..backend import simulate_async
 from ..blocks import GPU, HOST
 from ..config import CacheConfig
 from ..storage import HostPool
@@ -32,10 +33,13 @@ from .comm import MpiComm
 from .consensus import InitStatus
 from .directory import Directory
 from .directory_channel import DirectoryChannel
+from .message_server import MessageServer
 from .message_transport import MessageTransport
-from .remote import ALL_RULES, LocalSlots, RemoteTier, shm_dir
+from .peer_copy import make_copier
+from .remote import LocalSlots, RemoteTier, shm_dir
+from .remote_rules import REMOTE_RULES, RemoteRules
 from .replicas import ReplicaComms, ReplicaLayout
-from .shared_transport import PeerCopier, SharedTransport
+from .shared_transport import SharedTransport
 from .stamps import SlotStamps
 
 
@@ -86,7 +90,7 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
                   device: torch.device, slots: LocalSlots, capacity: dict[int, int],
                   rules: frozenset[str] | None = None) -> RemoteTier | None:
     """Build the remote tier on every rank or on none (collective over the world).
-    ``rules``: the ones it enforces (all unless a test drops some)."""
+    ``rules``: the names of the ones it enforces (None: all, ``REMOTE_RULES``)."""
     layout = replicas.layout
     if status != InitStatus.KEEP_HOST or host is None:
         if layout.rank == 0:
@@ -106,10 +110,11 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
             "stamps": stamps.shared_path if stamps is not None else None,
             "shm_error": host.shared_error, "error": error}
     infos = comm.allgather(info, "remote tier: host tier files")
+    enforced = RemoteRules.named(REMOTE_RULES if rules is None else rules)
     if error is None:
         try:
             tier = _build(comm, replicas, cfg, plan, infos, host, stamps, gpu_raw, executor,
-                          device, slots, capacity, built, ALL_RULES if rules is None else rules)
+                          device, slots, capacity, built, enforced)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
     failed = comm.allreduce_max(int(error is not None), "remote tier: commit")
@@ -137,17 +142,18 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
 
 def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, infos: list[dict],
            host: HostPool, stamps: SlotStamps, gpu_raw, executor, device, slots: LocalSlots,
-           capacity: dict[int, int], built: list, enforced: frozenset[str]) -> RemoteTier:
+           capacity: dict[int, int], built: list, rules: RemoteRules) -> RemoteTier:
     """Transports per peer replica: shared memory with peers on this node whose host
-    tier is in a shared file, MPI messages with every other. The message transport
-    exists in any case: it answers the peers that reach this rank by messages."""
+    tier is in a shared file, MPI messages with every other. The message server exists
+    in any case: it answers the peers that reach this rank by messages. The copier of
+    the shared transport is the variant of this cache's executor (``make_copier``)."""
     layout = replicas.layout
     rc = cfg.distributed.remote
-    rules = set(enforced)  # the tier's rule set, read by its transports too
     fail = faults.active("remote_fetch", layout.rank)
-    messages = MessageTransport(replicas.cross, host.raw, stamps, slots, rules, fail,
+    server = MessageServer(replicas.cross, host.raw, stamps, rules.check_stamps)
+    built.append(server)
+    messages = MessageTransport(replicas.cross, host.raw, slots, executor, fail,
                                 first_id=plan.token & ((1 << 48) - 1))
-    built.append(messages)
     copier = None
     transports = {}
     for peer in range(layout.num_replicas):
@@ -161,15 +167,17 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
             built.append(pool)
             peer_stamps = SlotStamps(host.num_blocks, info["stamps"], attach=True)
             built.append(peer_stamps)
-            copier = copier or PeerCopier(executor, device)
+            if copier is None:
+                copier = make_copier(device, simulate_async(cfg), executor)
+                built.append(copier)
             transports[peer] = SharedTransport(pool, peer_stamps, {GPU: gpu_raw, HOST: host.raw}, copier,
-                                               slots, rules, fail)
+                                               slots, rules.check_stamps, fail)
         else:
             transports[peer] = messages
     channel = DirectoryChannel(replicas.cross, layout.replica, layout.num_replicas, plan.token)
     return RemoteTier(tp=replicas.tp, channel=channel,
                       directory=Directory(layout.num_replicas, layout.replica, host.num_blocks),
-                      stamps=stamps, transports=transports, server=messages, rules=rules, slots=slots,
+                      stamps=stamps, transports=transports, server=server, rules=rules, slots=slots,
                       fetch_timeout_s=rc.fetch_timeout_ms / 1000, replica=layout.replica,
                       num_replicas=layout.num_replicas, bytes_per_block=host.layout.bytes_per_block,
                       capacity=capacity, directory_every=rc.directory_every_steps)

@@ -78,6 +78,12 @@ class SlotStamps:
         """Read after the bytes: where the generation is still the one read before."""
         return self.arr[slots, GEN] == gen
 
+    def read_guarded(self, slots: np.ndarray, hi: np.ndarray, lo: np.ndarray,
+                     check: bool = True) -> GuardedRead:
+        """R2's reader side, opened before the bytes are read (``check`` False: rule R2
+        off, every block taken as good)."""
+        return GuardedRead(self, slots, hi, lo, check)
+
     def check_owner(self, hi: np.ndarray, lo: np.ndarray, cached: np.ndarray) -> None:
         """Owner invariant: a slot with an even generation is a cached slot stamped with
         its block's hash (``hi``/``lo``/``cached`` per local slot)."""
@@ -97,4 +103,28 @@ class SlotStamps:
             self._memory = None
 
 
-__all__ = ["SharedMemoryUnavailable", "SlotStamps"]
+class GuardedRead:
+    """One seqlock read of ``slots`` (rule R2), the same for every reader: the
+    generations and hashes read before the bytes (``ok``: the slot held the block
+    wanted), then ``verify`` after them. A block is good only where both say so."""
+
+    __slots__ = ("_gen", "_stamps", "ok", "slots")
+
+    def __init__(self, stamps: SlotStamps, slots: np.ndarray, hi: np.ndarray, lo: np.ndarray, check: bool):
+        self._stamps, self.slots = stamps, slots
+        if check:
+            self._gen, self.ok = stamps.before(slots, hi, lo)
+        else:
+            self._gen, self.ok = None, np.ones(len(slots), dtype=bool)
+
+    def verify(self, among: np.ndarray | None = None) -> np.ndarray:
+        """After the bytes were read: good blocks (of those at indices ``among``, all by
+        default): ok before, and the generation unchanged since."""
+        ok = self.ok if among is None else self.ok[among]
+        if self._gen is None:
+            return ok.copy()
+        slots, gen = (self.slots, self._gen) if among is None else (self.slots[among], self._gen[among])
+        return ok & self._stamps.unchanged(slots, gen)
+
+
+__all__ = ["GuardedRead", "SharedMemoryUnavailable", "SlotStamps"]

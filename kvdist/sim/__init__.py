@@ -13,7 +13,7 @@ import argparse
 
 from .. import process
 from ..config import load_config
-from ..errors import ConfigError
+from ..errors import CollectiveMismatch, ConfigError, RankStalled
 
 
 def main(args: argparse.Namespace) -> int:
@@ -32,7 +32,9 @@ def main(args: argparse.Namespace) -> int:
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
-    from .experiment.driver import RunOptions, StartupFailed, run
+    from .experiment.job import run
+    from .experiment.options import RunOptions
+    from .experiment.preflight import StartupFailed
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
@@ -58,6 +60,13 @@ def main(args: argparse.Namespace) -> int:
     except process.Interrupted as e:
         process.say(e.line())
         return e.exit_code
+    except RankStalled as e:  # every live rank of the job names the stalled ones
+        process.say_here(f"{e.line}; caches closed, the job ends")
+        process.leave_without(e.stalled)
+        return process.STALLED_EXIT
+    except CollectiveMismatch as e:
+        process.say_here(f"{e}; caches closed, the job ends")
+        return process.STALLED_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C of a job without MPI
         process.say("interrupted; caches closed")
         return 130

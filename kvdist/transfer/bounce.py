@@ -1,12 +1,12 @@
 """Pinned bounce buffers for the disk batches that touch GPU memory (a spill's GPU ->
-bounce -> disk, a fetch's disk -> bounce -> GPU), reused rather than allocated per batch.
+bounce -> disk, a reload's disk -> bounce -> GPU), reused rather than allocated per batch.
 
 A pinned allocation costs the host milliseconds, and more the bigger it is (the H200
 machine, 2026-12-01: 2.6 ms a step at capacity went to ``torch.empty(pin_memory=True)``
-for about four fetched blocks a step; kept buffers still cost 1.4-4.3 ms a step while
+for about four reloaded blocks a step; kept buffers still cost 1.4-4.3 ms a step while
 a batch as long as a whole prefix could ask for a new buffer of hundreds of MiB). So:
 
-* the engine cuts fetches and spills into batches of at most ``bounce_blocks`` blocks
+* the engine cuts reloads and spills into batches of at most ``bounce_blocks`` blocks
   (``BOUNCE_BATCH_BYTES``), so no buffer is bigger than that;
 * buffers are kept: ``take(n)`` hands out the smallest free buffer holding at least
   ``n`` blocks (a new one, of a power-of-two number of blocks, when none is free),
@@ -25,11 +25,11 @@ import torch
 
 __all__ = ["BOUNCE_BATCH_BYTES", "BouncePool", "bounce_blocks"]
 
-BOUNCE_BATCH_BYTES = 64 << 20  # the most a fetch or spill batch moves (through one buffer)
+BOUNCE_BATCH_BYTES = 64 << 20  # the most a reload or spill batch moves (through one buffer)
 
 
 def bounce_blocks(block_bytes: int) -> int:
-    """Blocks in a fetch or spill batch at most (``BOUNCE_BATCH_BYTES``, at least 1)."""
+    """Blocks in a reload or spill batch at most (``BOUNCE_BATCH_BYTES``, at least 1)."""
     return max(1, BOUNCE_BATCH_BYTES // block_bytes)
 
 

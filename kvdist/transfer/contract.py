@@ -14,13 +14,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .routes import FETCH, ONBOARD, PROMOTE, Route
+from .routes import ONBOARD, PROMOTE, RELOAD, Route
 
 __all__ = ["TIMED", "Event", "Executor", "ExecutorCounters", "SimulatedCompute", "Timing"]
 
 Event = object  # opaque to everyone but the executor that made it
 Timing = tuple[Route, int, float]  # (route, bytes copied, seconds the copy took)
-TIMED = (ONBOARD, FETCH, PROMOTE)  # routes whose copy times the executors report (fetch or recompute)
+TIMED = (ONBOARD, RELOAD, PROMOTE)  # routes whose copy times the executors report (onboard or recompute)
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class ExecutorCounters:
 
     host_waits: int = 0  # times the host blocked on unfinished disk work
     host_wait_seconds: float = 0.0
-    host_wait_read_seconds: float = 0.0  # of which on disk reads (fetches); the rest on writes
+    host_wait_read_seconds: float = 0.0  # of which on disk reads (reloads); the rest on writes
     disk_batches: int = 0
 
 
@@ -79,8 +79,8 @@ class Executor(Protocol):
         ...
 
     def take_timings(self) -> list[Timing]:
-        """The TIMED copies completed since the last call (for the fetch-or-recompute
-        policy): an onboard's time is its copy's, a fetch's its disk read's."""
+        """The TIMED copies completed since the last call (for the onboard-or-recompute
+        policy): an onboard's time is its copy's, a reload's its disk read's."""
         ...
 
     def synchronize(self) -> None:

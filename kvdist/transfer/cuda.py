@@ -6,20 +6,20 @@ Disk transfers run on worker threads, off the step's critical path, and obey the
 same per-slot ordering: a disk task waits inside its worker for the CUDA events it
 depends on; a CUDA stream never waits for unfinished disk work. Where a CUDA copy
 does depend on disk work (an offload into a host slot a demotion is still reading,
-the GPU half of a fetch), the host waits for it at the latest moment (the next
+the GPU half of a reload), the host waits for it at the latest moment (the next
 submission that needs it, or the compute barrier S5) and the wait is counted.
 
 * demote (host -> disk): the worker waits for the pending writes of its host slots,
   then writes them to disk straight from pinned memory.
 * spill (gpu -> disk): the GPU half copies the blocks into a pinned bounce buffer on
   the offload stream; the worker waits for that event and writes the buffer.
-* fetch (disk -> gpu): the worker reads into a pinned bounce buffer; once it is done
+* reload (disk -> gpu): the worker reads into a pinned bounce buffer; once it is done
   the host queues the GPU half (bounce -> GPU slots) on the onboard stream.
 Bounce buffers are kept (``bounce``) and go back once their own batch is done. A
 worker does its batch's disk I/O itself, on numpy views of the rows (no torch op per
 block on the host thread, no further thread hop).
 
-Layer by layer (``cache.layer_groups`` > 1): onboards and the GPU half of a fetch are
+Layer by layer (``cache.layer_groups`` > 1): onboards and the GPU half of a reload are
 issued one layer group after the other (layer 0's first), an event after each
 (``Grouped``); ``wait_layer(layer)`` makes the compute stream wait only for the group
 holding that layer, so layer 0's attention starts once layer 0's bytes have landed
@@ -46,7 +46,7 @@ from .bounce import BouncePool, bounce_blocks
 from .contract import Event, ExecutorCounters, Timing
 from .cuda_events import DiskOp, Grouped, whole
 from .executors import BatchLog
-from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, PROMOTE, SPILL, Route
+from .routes import DEMOTE, OFFLOAD, ONBOARD, PROMOTE, RELOAD, SPILL, Route
 
 __all__ = ["CudaExecutor", "DiskOp", "Grouped"]
 
@@ -65,8 +65,8 @@ class CudaExecutor:
         self.copier = BatchCopier(device, prefer=path)
         self.streams = {name: torch.cuda.Stream(device) for name in (OFFLOAD.stream, ONBOARD.stream)}
         index = device.index if device.index is not None else torch.cuda.current_device()
-        # Disk batches: writes (demote, spill) and reads (fetch, promote) on workers of their
-        # own, so a fetch the next forward pass needs does not queue behind demote-ahead's
+        # Disk batches: writes (demote, spill) and reads (reload, promote) on workers of their
+        # own, so a reload the next forward pass needs does not queue behind demote-ahead's
         # writes. A worker does its batch's I/O itself (DiskPool.run_inline_here): handing it
         # on to the pool's threads cost the step's host thread GIL hand-offs for every batch.
         def start(index: int) -> None:
@@ -86,15 +86,15 @@ class CudaExecutor:
         self._host_rows = host.raw.numpy() if host is not None else None
         self._inflight: list[DiskOp] = []  # disk batches not known complete (some hold a bounce)
         self._bounces = BouncePool(gpu.raw.shape[1])
-        if disk is not None:  # the engine cuts fetches and spills to bounce_blocks: two such buffers
+        if disk is not None:  # the engine cuts reloads and spills to bounce_blocks: two such buffers
             self._bounces.reserve(min(bounce_blocks(gpu.raw.shape[1]), disk.num_blocks), 2)
-        self._unsettled: deque[DiskOp] = deque()  # spill/fetch GPU halves compute has not waited for
+        self._unsettled: deque[DiskOp] = deque()  # spill/reload GPU halves compute has not waited for
         self.counters = ExecutorCounters()
         self.submit_seconds: Counter[str] = Counter()  # host time in ``submit``, by route
         self.log = log
         self._handlers = {OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
-                          SPILL: self._spill, FETCH: self._fetch, PROMOTE: self._promote}
-        # Onboards between two timing events on their stream; fetch reads timed by their
+                          SPILL: self._spill, RELOAD: self._reload, PROMOTE: self._promote}
+        # Onboards between two timing events on their stream; reload reads timed by their
         # worker (deque: workers append); the compute stream's waits between events on it.
         self._timed: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._timings: deque[Timing] = deque()
@@ -131,8 +131,8 @@ class CudaExecutor:
         else:
             fut.result()  # re-raise a worker's error here
 
-    def _finish_fetch(self, op: DiskOp) -> None:
-        """Queue the GPU half of a fetch (the host waits for its read if needed)."""
+    def _finish_reload(self, op: DiskOp) -> None:
+        """Queue the GPU half of a reload (the host waits for its read if needed)."""
         self._host_wait(op.future, reading=True)
         t0 = time.perf_counter()
         st = self.streams[ONBOARD.stream]
@@ -140,7 +140,7 @@ class CudaExecutor:
         op.gpu_event = self._copy(st, op.buffer[:n], self.gpu.raw, np.arange(n), op.gpu_slots, op.gpu_deps,
                                   host_tier=False)
         op.gpu_deps = []
-        self.submit_seconds["fetch_gpu_half"] += time.perf_counter() - t0
+        self.submit_seconds["reload_gpu_half"] += time.perf_counter() - t0
 
     def _gpu_wait(self, stream: torch.cuda.Stream, deps: list, host_tier: bool,
                   by_group: list | None = None) -> None:
@@ -155,7 +155,7 @@ class CudaExecutor:
         for e in deps:
             if isinstance(e, DiskOp):
                 if e.gpu_pending:
-                    self._finish_fetch(e)
+                    self._finish_reload(e)
                 if e.gpu_event is None:
                     if host_tier:  # a demotion reads the host slot, a promotion writes it
                         self._host_wait(e.future, reading=e.route is PROMOTE)
@@ -176,10 +176,10 @@ class CudaExecutor:
                 e.future.result()
 
     def _pump(self) -> None:
-        """Queue the GPU halves of finished fetches; forget completed disk batches."""
+        """Queue the GPU halves of finished reloads; forget completed disk batches."""
         for op in list(self._unsettled):
             if op.gpu_pending and op.future.done():
-                self._finish_fetch(op)
+                self._finish_reload(op)
         if self._inflight:  # in any order: a bounce goes back when its own batch is done
             pending = []
             for op in self._inflight:
@@ -226,7 +226,7 @@ class CudaExecutor:
         """One batch on ``st`` after ``deps``: whole blocks, or one layer group after the
         other (each row of a group is a strided slice of its block; runs are not merged
         then), group g waiting for group g of the grouped batches it follows. ``timed``:
-        between two timing events (the onboard rate the fetch policy reads), from the
+        between two timing events (the onboard rate the recompute policy reads), from the
         moment its first group may start."""
         grouped: list[Grouped] | None = [] if self.groups is not None else None
         self._gpu_wait(st, deps, host_tier, grouped)
@@ -264,11 +264,11 @@ class CudaExecutor:
         fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), rows)
         return self._disk_op(DiskOp(SPILL, fut, buffer, gpu_event=ev))
 
-    def _fetch(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
+    def _reload(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         buffer, rows = self._take_bounce(len(s))
         disk_deps = [e for e in deps if isinstance(e, DiskOp)]
-        fut = self._readers.submit(self._read_task, FETCH, disk_deps, s.tolist(), rows)
-        return self._disk_op(DiskOp(FETCH, fut, buffer, gpu_slots=d, gpu_deps=list(deps)))
+        fut = self._readers.submit(self._read_task, RELOAD, disk_deps, s.tolist(), rows)
+        return self._disk_op(DiskOp(RELOAD, fut, buffer, gpu_slots=d, gpu_deps=list(deps)))
 
     def _promote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # Straight into the host rows (the CPU writes them: no registration limit). The
@@ -298,7 +298,7 @@ class CudaExecutor:
     def _disk_op(self, op: DiskOp) -> DiskOp:
         self.counters.disk_batches += 1
         self._inflight.append(op)
-        if op.route is FETCH or op.route is SPILL:  # those with a GPU half
+        if op.route is RELOAD or op.route is SPILL:  # those with a GPU half
             self._unsettled.append(op)
         return op
 
@@ -354,7 +354,7 @@ class CudaExecutor:
 
     def wait_layer(self, layer: int) -> None:
         """The compute stream waits for ``layer``'s group of the batches of the last
-        ``compute_wait(events, layered=True)`` (a fetch's GPU half is queued first,
+        ``compute_wait(events, layered=True)`` (a reload's GPU half is queued first,
         the host waiting for its disk read if it has not finished)."""
         g = self.groups.group_of[layer] if self.groups is not None else None
         if not self._layer_events or g in self._groups_waited:
@@ -372,7 +372,7 @@ class CudaExecutor:
         for e in events:
             if isinstance(e, DiskOp):  # a demotion touches no GPU memory: nothing to wait for
                 if e.gpu_pending:
-                    self._finish_fetch(e)
+                    self._finish_reload(e)
                 if e.gpu_event is not None:
                     compute.wait_event(part(e.gpu_event))
             elif isinstance(e, torch.cuda.Event | Grouped):
@@ -385,7 +385,7 @@ class CudaExecutor:
     def synchronize(self) -> None:
         for op in list(self._unsettled):
             if op.gpu_pending:
-                self._finish_fetch(op)
+                self._finish_reload(op)
         self._unsettled.clear()
         for op in self._inflight:
             self._host_wait(op.future)
@@ -403,7 +403,7 @@ class CudaExecutor:
             if isinstance(e, DiskOp):
                 self._host_wait(e.future)
                 if e.gpu_pending:
-                    self._finish_fetch(e)
+                    self._finish_reload(e)
                 if e.gpu_event is not None:
                     e.gpu_event.synchronize()
             elif e is not None:
@@ -421,7 +421,7 @@ class CudaExecutor:
             if not event.future.done():
                 return False
             if event.gpu_pending:
-                self._finish_fetch(event)
+                self._finish_reload(event)
             return event.gpu_event is None or event.gpu_event.query()
         return event.query()  # a CUDA event or a Grouped one
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .routes import FETCH, Route
+from .routes import RELOAD, Route
 
 __all__ = ["DiskOp", "Grouped", "whole"]
 
@@ -43,17 +43,17 @@ def whole(e):
 class DiskOp:
     """The event of one disk batch. ``future``: the worker's part (the disk I/O and
     the host/bounce memory it touches). ``gpu_event``: the part that touches GPU
-    memory (spill: GPU -> bounce done; fetch: bounce -> GPU, queued once the read is
+    memory (spill: GPU -> bounce done; reload: bounce -> GPU, queued once the read is
     done), None for a demotion."""
 
     route: Route
     future: Future
     buffer: torch.Tensor | None = None  # the bounce (its first rows), given back once the batch is complete
     gpu_event: torch.cuda.Event | Grouped | None = None
-    gpu_slots: np.ndarray | None = None  # fetch: where the GPU half writes
-    gpu_deps: list = field(default_factory=list)  # fetch: what the GPU half waits for
+    gpu_slots: np.ndarray | None = None  # reload: where the GPU half writes
+    gpu_deps: list = field(default_factory=list)  # reload: what the GPU half waits for
 
     @property
     def gpu_pending(self) -> bool:
-        """A fetch whose GPU half is not queued yet."""
-        return self.route is FETCH and self.gpu_event is None
+        """A reload whose GPU half is not queued yet."""
+        return self.route is RELOAD and self.gpu_event is None

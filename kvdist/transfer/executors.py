@@ -11,7 +11,7 @@ import torch
 
 from ..storage import DiskPool, GpuPool, HostPool
 from .contract import TIMED, Event, ExecutorCounters, Timing
-from .routes import DEMOTE, FETCH, OFFLOAD, ONBOARD, PROMOTE, SPILL, Route
+from .routes import DEMOTE, OFFLOAD, ONBOARD, PROMOTE, RELOAD, SPILL, Route
 
 __all__ = ["DONE", "BatchLog", "HostCopies", "NullExecutor", "SyncExecutor"]
 
@@ -27,7 +27,7 @@ class HostCopies:
         self.gpu, self.host, self.disk = gpu, host, disk
         self._handlers: dict[Route, Callable[[list[int], list[int], bool], None]] = {
             OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
-            SPILL: self._spill, FETCH: self._fetch, PROMOTE: self._promote}
+            SPILL: self._spill, RELOAD: self._reload, PROMOTE: self._promote}
 
     def run(self, route: Route, src: list[int], dst: list[int], vectorized: bool) -> None:
         self._handlers[route](src, dst, vectorized)
@@ -64,7 +64,7 @@ class HostCopies:
         g = self.gpu.raw
         self.disk.write_blocks(dst, [g[s] for s in src])
 
-    def _fetch(self, src: list[int], dst: list[int], vectorized: bool) -> None:
+    def _reload(self, src: list[int], dst: list[int], vectorized: bool) -> None:
         g = self.gpu.raw
         self.disk.read_blocks(src, [g[d] for d in dst])
 

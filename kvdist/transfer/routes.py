@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..blocks import DISK, GPU, HOST, TIER_NAMES
 
-__all__ = ["DEMOTE", "FETCH", "OFFLOAD", "ONBOARD", "PROMOTE", "ROUTES", "ROUTE_NAMES", "SPILL",
+__all__ = ["DEMOTE", "RELOAD", "OFFLOAD", "ONBOARD", "PROMOTE", "ROUTES", "ROUTE_NAMES", "SPILL",
            "STREAMS", "Route", "route"]
 
 
@@ -32,10 +32,10 @@ OFFLOAD = Route("offload", GPU, HOST, "offload")  # an evicted GPU block to the 
 ONBOARD = Route("onboard", HOST, GPU, "onboard")  # a host hit back into the GPU tier
 DEMOTE = Route("demote", HOST, DISK, "disk")  # an evicted host block to the disk tier
 SPILL = Route("spill", GPU, DISK, "disk")  # an evicted GPU block to disk (no host tier)
-FETCH = Route("fetch", DISK, GPU, "disk")  # a disk hit back into the GPU tier
+RELOAD = Route("reload", DISK, GPU, "disk")  # a disk hit back into the GPU tier (a spill's way back)
 PROMOTE = Route("promote", DISK, HOST, "disk")  # a prefetched disk block into the host tier
 
-ROUTES = (OFFLOAD, ONBOARD, DEMOTE, SPILL, FETCH, PROMOTE)
+ROUTES = (OFFLOAD, ONBOARD, DEMOTE, SPILL, RELOAD, PROMOTE)
 ROUTE_NAMES = tuple(r.name for r in ROUTES)
 STREAMS = ("offload", "onboard", "disk")
 

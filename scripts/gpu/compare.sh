@@ -7,12 +7,12 @@
 #   1. CUDA tests of the model (each attention kernel vs each segment alone, cached bf16 forward vs
 #      recompute) and of layer-wise onboarding (gated onboard stream, S5 on and off);
 #   2. bench layerwise: compute waits on onboarding, whole step vs layer groups, equal bytes;
-#   3. capacity: all tiers and GPU only with every request arriving at once (--rate 1000):
+#   3. capacity: all tiers (running ahead and serial) and GPU only with every request arriving at once (--rate 1000):
 #      prompt tokens/s flat out; the rate of step 4 is 0.7 x GPU-only's requests/s there;
 #   4. run --compare on configs/h200.yaml (Llama-3-8B, TP=1): all tiers, GPU tier only,
 #      no reuse, the same trace in real time at that rate;
 #   5. the disk tier throttled to $THROTTLE bytes/s (host tier 4 GiB, so the trace hits the
-#      disk), all tiers vs GPU only: the fetch-or-recompute policy turns the slow disk down.
+#      disk), all tiers vs GPU only: the onboard-or-recompute policy turns the slow disk down.
 # Knobs: STEPS="1 2 3 4 5", RATE (skip the measurement of step 3), THROTTLE (300MB),
 # THROTTLE_REQUESTS (400). Logs and results files under $OUT.
 set -u
@@ -39,12 +39,17 @@ for name, r in json.load(open(sys.argv[1]))["runs"].items():
     print(f"[{name}] ms a step: cache calls {us(r['cache_calls_us_per_step'])}; copies handed to the driver "
           f"{r['copy_entries_per_step']:.0f}, submitted in {us(r['copy_submit_us_per_step'])}; host waits on "
           f"disk reads {r['host_wait_reads_us_per_step'] / 1e3:.2f}")
+    c = r["critical_path"]
+    print(f"[{name}] critical path ({'run ahead' if c['run_ahead'] else 'serial'}, {c['timers']}): step "
+          f"{c['step_ms']:.1f} ms, GPU busy {c['gpu_busy_ms']:.1f}, idle {c['gpu_idle_ms']:.1f} ms "
+          f"({100 * c['gpu_idle_fraction']:.1f}%), cache on the path {c['cache_on_critical_path_us'] / 1e3:.2f} ms")
 PY
     echo "[$label] wall $(( $(date +%s) - start )) s"
 }
 if has 1; then
     echo "== CUDA tests"
     python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_attention.py tests/test_model_cuda.py tests/test_layerwise_cuda.py \
+        tests/test_staging_run_ahead.py \
         2>&1 | tee "$O/cuda-tests.log" | grep -E "passed|failed|rror|relative|logit diff"
     if grep -q "test_layerwise_cuda.*FAILED\|FAILED tests/test_layerwise_cuda" "$O/cuda-tests.log"; then
         echo "layer-wise onboarding failed its CUDA test: the runs below copy whole steps (layer_groups: 1)"

@@ -6,9 +6,9 @@ failure and aborts the whole MPI job, so the run ends within seconds, failed."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+
+from tests.mpi.job import abort_job
 
 _with_mpi = [False]
 
@@ -23,11 +23,4 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
-    if world.size == 1:
-        return
-    sys.stderr.write(f"\n{report.nodeid} failed on rank {world.rank} ({report.when}):\n"
-                     f"{report.longreprtext}\nrank {world.rank}: aborting the MPI job, "
-                     "whose other ranks may be waiting for this one\n")
-    sys.stderr.flush()
-    world.Abort(1)
+    abort_job(f"{report.nodeid} failed on rank {MPI.COMM_WORLD.rank} ({report.when}):\n{report.longreprtext}")

@@ -9,13 +9,18 @@ mapping, pinned host landing slots)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
+import traceback
+from contextlib import contextmanager
 
 import pytest
 import xxhash
 
+from kvdist.distributed.remote_rules import REMOTE_RULES
 from kvdist.testing import IntegrityDriver, Seams, create
 from tests.conftest import make_cfg
+from tests.mpi.job import abort_job
 
 BLOCK = 512  # bytes per block of tests.conftest.BASE (4 tokens)
 PROMPT = list(range(1000, 1033))  # 8 full blocks reusable (the 33rd token is computed)
@@ -36,7 +41,7 @@ def need_replicas(world: int) -> None:
 def config(transport: str = "auto", timeout_ms: float = 3000, simulate: bool = False,
            gpu: int = 16, host: int = 32, world: int = 4, every: int = 1, policy: bool = True) -> dict:
     """Directory messages every ``every`` steps (1 here: the tests count exact misses,
-    which a directory lagging by steps would change). ``policy``: the fetch policy's
+    which a directory lagging by steps would change). ``policy``: the recompute policy's
     per-step MIN-reduce, which the remote tier's agreement rides on at ``end_step``
     (without it the tier agrees at ``begin_step``)."""
     return make_cfg(
@@ -50,9 +55,14 @@ def config(transport: str = "auto", timeout_ms: float = 3000, simulate: bool = F
 class Replica:
     """One rank's cache (built with test seams: ``remote_rules``, and the handles to
     its remote tier and manager) and integrity driver (its pattern salted by the TP
-    rank, so a shard fetched from the wrong TP index would show as wrong bytes)."""
+    rank, so a shard fetched from the wrong TP index would show as wrong bytes).
 
-    def __init__(self, cfg: dict, rules: frozenset[str] = frozenset({"R1", "R2", "R4"})):
+    A context manager: the cache is closed when the test's body ends, unless it ended
+    with a failure. Then the other ranks may be anywhere — in a collective of the test,
+    or in ``close``'s own, which would wait out ``consensus_timeout_s`` — so the failing
+    rank prints the failure and ends the whole job at once."""
+
+    def __init__(self, cfg: dict, rules: frozenset[str] = REMOTE_RULES):
         from mpi4py import MPI
 
         self.world = MPI.COMM_WORLD
@@ -62,6 +72,17 @@ class Replica:
         self.d = IntegrityDriver(self.cache, salt=self.cache.tp_rank)
         self.tp = self.remote.tp  # tests agree inside a replica through its TP group
         self.tables: dict[str, object] = {}
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or isinstance(error, pytest.skip.Exception):
+            self.cache.close()
+            return False
+        abort_job(f"a replica test failed on rank {self.world.rank}:\n"
+                  + "".join(traceback.format_exception(kind, error, tb)))
+        return False  # one rank alone: the error goes on to pytest
 
     @property
     def replica(self) -> int:
@@ -147,6 +168,21 @@ class Replica:
             self.step()
             time.sleep(0.001)
         request.Wait()
+
+
+@contextmanager
+def within(seconds: float, what: str):
+    """Fail (AssertionError naming ``what``) if the body runs longer than ``seconds``:
+    a fetch that never gives up then fails the test instead of hanging the suite."""
+    def expired(signum, frame):
+        raise AssertionError(f"{what}: still running after {seconds:.0f} s")
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 def exchange_digests(r: Replica, digests) -> list | None:

@@ -15,6 +15,7 @@ import warnings
 import pytest
 
 import kvdist
+from kvdist.distributed.remote_rules import REMOTE_RULES
 from tests.mpi.replica_harness import (
     DEVICE,
     FETCHER,
@@ -26,6 +27,7 @@ from tests.mpi.replica_harness import (
     exchange_digests,
     need_replicas,
     tp_size,
+    within,
 )
 
 pytestmark = pytest.mark.mpi
@@ -39,7 +41,7 @@ def world():
     return MPI.COMM_WORLD
 
 
-ALL = frozenset({"R1", "R2", "R4"})
+ALL = REMOTE_RULES  # every rule on: the default of a cache
 
 
 def _open(world, rules: frozenset[str] = ALL, **kw) -> Replica:
@@ -48,8 +50,7 @@ def _open(world, rules: frozenset[str] = ALL, **kw) -> Replica:
 
 @pytest.mark.parametrize("transport", ["auto", "messages"])
 def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport):
-    r = _open(world, transport=transport)
-    try:
+    with _open(world, transport=transport) as r:
         kinds = r.cache.stats()["remote"]["transports"]
         assert "remote" in r.cache.tiers
         assert kinds == {"shared" if transport == "auto" else "messages": r.cache.num_replicas - 1}
@@ -70,8 +71,6 @@ def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport)
         else:
             r.serve_until(world.Ibarrier())  # messages: the holder answers between its steps
         r.cache.check_consistency()
-    finally:
-        r.cache.close()
 
 
 @pytest.mark.parametrize("ride", [True, False], ids=["agreed-at-end_step", "agreed-at-begin_step"])
@@ -79,10 +78,9 @@ def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport)
 def test_prefetch_lands_before_admission(world, inside_a_step, ride):
     """A prefetch starts the blocks at once inside a step, else right after the next
     begin_step. The next agreement says they landed: that step's end_step when the
-    agreement rides on the fetch policy's per-step MIN-reduce (``ride``), else the next
+    agreement rides on the recompute policy's per-step MIN-reduce (``ride``), else the next
     begin_step."""
-    r = _open(world, policy=ride)
-    try:
+    with _open(world, policy=ride) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -106,8 +104,6 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
             assert s["remote"]["prefetches"] == 1 and s["remote"]["blocks_landed"] == FULL
         world.Barrier()
         r.cache.check_consistency()
-    finally:
-        r.cache.close()
 
 
 @pytest.mark.parametrize("rule_on", [True, False], ids=["R2", "R2-off"])
@@ -117,8 +113,7 @@ def test_r2_holder_overwrote_the_slots_after_lookup(world, transport, rule_on):
     the prompt's host slots for other blocks: the fetch finds other blocks there. The
     stamps (checked by the fetcher on shared memory, by the holder for messages) make
     them misses; without the check the other blocks' bytes land as the prompt's."""
-    r = _open(world, ALL if rule_on else ALL - {"R2"}, transport=transport)
-    try:
+    with _open(world, ALL if rule_on else ALL - {"R2"}, transport=transport) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -141,8 +136,6 @@ def test_r2_holder_overwrote_the_slots_after_lookup(world, transport, rule_on):
             world.Ibarrier().Wait()
         else:
             r.serve_until(world.Ibarrier())
-    finally:
-        r.cache.close()
 
 
 @pytest.mark.parametrize("rule_on", [True, False], ids=["R2", "R2-off"])
@@ -152,9 +145,8 @@ def test_r2_holder_overwrote_the_slot_while_it_was_copied(world, rule_on):
     after. The second stamp reading catches it; without it the wrong bytes land."""
     if DEVICE != "cpu":
         pytest.skip("simulated streams are a CPU cache's")
-    r = _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000)
-    executor = r.seams.executor
-    try:
+    with _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000) as r:
+        executor = r.seams.executor
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -178,8 +170,6 @@ def test_r2_holder_overwrote_the_slot_while_it_was_copied(world, rule_on):
             else:
                 assert reused == {"p": FULL * 4} and r.d.mismatched_tokens > 0
         world.Barrier()
-    finally:
-        r.cache.close()
 
 
 @pytest.mark.parametrize("rule_on", [True, False], ids=["R1", "R1-off"])
@@ -190,8 +180,7 @@ def test_r1_one_tp_rank_fails_its_fetch(world, monkeypatch, rule_on):
     if T < 2:
         pytest.skip("needs TP ranks")
     monkeypatch.setenv("KVDIST_FAULTS", f"remote_fetch@{FETCHER * T + T - 1}")
-    r = _open(world, ALL if rule_on else ALL - {"R1"})
-    try:
+    with _open(world, ALL if rule_on else ALL - {"R1"}) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -207,8 +196,6 @@ def test_r1_one_tp_rank_fails_its_fetch(world, monkeypatch, rule_on):
                     r.cache.check_consistency()
             assert r.d.mismatched_tokens == 0
         world.Barrier()
-    finally:
-        r.cache.close()
 
 
 @pytest.mark.parametrize("every,ride", [(1, True), (8, True), (8, False)],
@@ -223,8 +210,7 @@ def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on,
     T = tp_size(world.size)
     if T < 2:
         pytest.skip("needs TP ranks")
-    r = _open(world, ALL if rule_on else ALL - {"R4"}, every=every, policy=ride)
-    try:
+    with _open(world, ALL if rule_on else ALL - {"R4"}, every=every, policy=ride) as r:
         if r.replica == FETCHER and r.cache.tp_rank == T - 1:
             r.remote.channel.hold(True)
         world.Barrier()
@@ -253,8 +239,6 @@ def test_r4_directory_messages_reach_tp_ranks_at_different_times(world, rule_on,
             world.Ibarrier().Wait()
         else:
             r.serve_until(world.Ibarrier())
-    finally:
-        r.cache.close()
 
 
 @pytest.mark.parametrize("transport", ["auto", "messages"])
@@ -262,13 +246,13 @@ def test_r3_a_stopped_replica_never_stalls_another(world, transport):
     """The holder replica's processes are stopped (SIGSTOP) while the fetcher runs
     steps that look its blocks up. Shared memory needs nothing from the holder: the
     blocks land. Messages: every fetch is a miss after fetch_timeout_ms, and each step
-    takes about that long, not longer."""
+    takes about that long, not longer; a fetch that never gives up fails the test
+    within seconds (and the harness ends the job) instead of hanging the suite."""
     timeout_ms = 300
-    r = _open(world, transport=transport, timeout_ms=timeout_ms)
-    pids = world.allgather(os.getpid())
-    T = r.cache.tp_size
-    holders = pids[HOLDER * T:(HOLDER + 1) * T]
-    try:
+    with _open(world, transport=transport, timeout_ms=timeout_ms) as r:
+        pids = world.allgather(os.getpid())
+        T = r.cache.tp_size
+        holders = pids[HOLDER * T:(HOLDER + 1) * T]
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -281,10 +265,12 @@ def test_r3_a_stopped_replica_never_stalls_another(world, transport):
             r.tp.barrier("test: holder stopped")
             try:
                 times, reused = [], {}
-                for k in range(3):  # the prompt, then steps that need nothing remote
-                    t0 = time.monotonic()
-                    reused.update(r.step({"p": PROMPT} if k == 0 else {f"q{k}": [k] * 9}))
-                    times.append(time.monotonic() - t0)
+                # A fetch that never gave up would hang here: the test fails instead.
+                with within(timeout_ms / 1000 + 10.0, "steps fetching from a stopped holder"):
+                    for k in range(3):  # the prompt, then steps that need nothing remote
+                        t0 = time.monotonic()
+                        reused.update(r.step({"p": PROMPT} if k == 0 else {f"q{k}": [k] * 9}))
+                        times.append(time.monotonic() - t0)
                 s = r.cache.stats()
                 if transport == "auto":
                     assert reused["p"] == FULL * 4 and s["remote"]["blocks_landed"] == FULL
@@ -301,8 +287,6 @@ def test_r3_a_stopped_replica_never_stalls_another(world, transport):
                         os.kill(pid, signal.SIGCONT)
         world.Barrier()
         r.cache.check_consistency()
-    finally:
-        r.cache.close()
 
 
 def test_shm_too_small_falls_back_to_messages_with_one_warning(world, monkeypatch):
@@ -313,7 +297,7 @@ def test_shm_too_small_falls_back_to_messages_with_one_warning(world, monkeypatc
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         r = _open(world)
-    try:
+    with r:
         mine = [str(w.message) for w in caught if "remote" in str(w.message) or "shm" in str(w.message)]
         if world.rank == 0:
             assert len(mine) == 1 and "/dev/shm could not hold the host tier" in mine[0], mine
@@ -323,8 +307,6 @@ def test_shm_too_small_falls_back_to_messages_with_one_warning(world, monkeypatc
         if r.replica == FETCHER:
             assert kinds == {"messages": 1, **({"shared": r.cache.num_replicas - 2}
                                                if r.cache.num_replicas > 2 else {})}
-    finally:
-        r.cache.close()
 
 
 def test_directory_message_of_an_earlier_cache_is_dropped(world):
@@ -359,3 +341,49 @@ def test_directory_message_of_an_earlier_cache_is_dropped(world):
         old.close()
         new.close()
         pair.Free()
+
+
+def test_a_given_up_blocks_slot_is_freed_once_every_tp_rank_is_done(world, monkeypatch):
+    """The fetcher's last TP rank fails its fetch at once (fault drill: given up, its
+    landing slots DONE) while its first TP rank's copies wait on a held simulated
+    stream. The replica gives the blocks up, but frees their landing slots only once
+    the held copies ran, on every TP rank at the same boundary: a rank freeing on its
+    own DONE would reuse slots another rank's copy still writes, and diverge."""
+    T = tp_size(world.size)
+    if T < 2 or DEVICE != "cpu":
+        pytest.skip("needs TP ranks and simulated streams")
+    monkeypatch.setenv("KVDIST_FAULTS", f"remote_fetch@{FETCHER * T + T - 1}")
+    with _open(world, simulate=True, timeout_ms=60_000) as r:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            held = r.cache.tp_rank == 0
+            if held:
+                r.seams.executor.hold("remote")
+            r.step(prefetch={"p": PROMPT})
+            s = r.cache.stats()
+            assert s["remote_misses"] == FULL and s["remote"]["blocks_landed"] == 0
+            landing = r.remote.slots.landing_slots()
+            assert len(landing) == FULL, "a landing slot freed while a copy may still write it"
+            r.cache.check_consistency()
+            if held:
+                r.seams.executor.release("remote")
+            r.step()  # the held copies run; every rank has the blocks DONE
+            assert len(r.remote.slots.landing_slots()) == 0
+            r.cache.check_consistency()
+        world.Barrier()
+
+
+def test_end_step_returns_the_figures_the_tp_group_agreed(world):
+    """``end_step`` carries a caller's per-step figures (the recompute policy's) on its
+    agreement: every TP rank gets the group's MIN, never its own figures."""
+    T = tp_size(world.size)
+    if T < 2:
+        pytest.skip("needs TP ranks")
+    with _open(world) as r:  # directory messages every step: end_step agrees at each
+        t = r.cache.tp_rank
+        agreed = r.remote.end_step([100 + t, 50 - t])
+        assert agreed == [100, 50 - (T - 1)]
+        r.step()
+        world.Barrier()

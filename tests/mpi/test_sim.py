@@ -13,7 +13,8 @@ import torch
 import kvdist
 from kvdist.sim.engine.model import Decoder, Geometry
 from kvdist.sim.engine.parallel import TensorParallel
-from kvdist.sim.experiment.driver import RunOptions, run
+from kvdist.sim.experiment.job import run
+from kvdist.sim.experiment.options import RunOptions
 from kvdist.sim.experiment.placement import placements
 from kvdist.sim.experiment.report import REQUIRED_KEYS
 from tests.conftest import make_cfg
@@ -33,7 +34,7 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     every reused prefix (as a diverged cache would)."""
     from mpi4py import MPI
 
-    real_create = kvdist.sim.experiment.driver.create
+    real_create = kvdist.sim.experiment.parts.create
 
     class LyingCache:
         """The cache, but ``rank`` reports 4 more reused tokens than it reused."""
@@ -51,14 +52,17 @@ def misreport_reuse_on(rank: int, monkeypatch) -> None:
     def lying_create(cfg, comm=None):
         return LyingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", lying_create)
+    monkeypatch.setattr(kvdist.sim.experiment.parts, "create", lying_create)
 
 
-def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory):
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "run-ahead"])
+def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factory, ahead):
+    """Under simulated streams; running ahead, every step's table and copies are queued
+    while the previous step's forward pass still is."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    base = Path(shared_dir(tmp_path_factory, "sim"))
+    base = Path(shared_dir(tmp_path_factory, f"sim-{ahead}"))
     cfg = kvdist.load_config(make_cfg(
         model={"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
         cache={"device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": 24 * 1024},
@@ -68,7 +72,7 @@ def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factor
         workload={"requests": 100, "seed": 5, "system_prompts": 3, "system_prompt_tokens": 40,
                   "conversations": 10, "turns": [2, 5], "user_tokens": [3, 20], "output_tokens": [2, 9],
                   "arrival_rate": 1.5, "max_batch": 6, "max_prefill_tokens": 200, "vocab_size": 97,
-                  "hidden": 32, "verify_logits_every": 3}))
+                  "hidden": 32, "verify_logits_every": 3, "run_ahead": ahead}))
     r = run(cfg, RunOptions(out=str(base / "runs"), progress=False))
     assert r["ok"], r["integrity"]
     assert r["world_size"] == world.size and r["requests"] == 100

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import kvdist
-from kvdist.sim.experiment.driver import RunOptions, run
+from kvdist.sim.experiment.job import run
+from kvdist.sim.experiment.options import RunOptions
 from kvdist.sim.experiment.report import REQUIRED_KEYS
 from tests.conftest import make_cfg
 from tests.mpi.test_sim import misreport_reuse_on, shared_dir
@@ -96,7 +97,7 @@ def test_a_corrupted_block_from_the_other_replica_is_caught(monkeypatch):
     matches no write of any replica: the run reports it and fails."""
     world = two_replicas()
     corrupted, remote_now = [], {}
-    real_create = kvdist.sim.experiment.driver.create
+    real_create = kvdist.sim.experiment.parts.create
 
     class CorruptingCache:
         """The cache, but the last rank overwrites the V of layer 0 in the last reused
@@ -128,7 +129,7 @@ def test_a_corrupted_block_from_the_other_replica_is_caught(monkeypatch):
     def corrupting_create(cfg, comm=None):
         return CorruptingCache(real_create(cfg, comm))
 
-    monkeypatch.setattr(kvdist.sim.experiment.driver, "create", corrupting_create)
+    monkeypatch.setattr(kvdist.sim.experiment.parts, "create", corrupting_create)
     r = run(replicas_cfg(world.size), RunOptions(out=None, progress=False))
     caught = world.bcast(corrupted if world.rank == world.size - 1 else None, root=world.size - 1)
     assert caught, "no prompt reused a block from the other replica"

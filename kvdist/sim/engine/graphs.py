@@ -24,14 +24,13 @@ parallelism the allreduce stages through host memory."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .model import Decoder
+from .parallel import TensorParallel
 
-__all__ = ["DEFAULT_BUCKETS", "StepGraphs"]
+__all__ = ["DEFAULT_BUCKETS", "LayerPieces", "StepGraphs"]
 
 # Token counts of the captured steps, finer where the GPU's time grows with the tokens (a
 # padded row costs what a real one does). Past 1,024 tokens a step is long enough on the
@@ -40,20 +39,46 @@ __all__ = ["DEFAULT_BUCKETS", "StepGraphs"]
 DEFAULT_BUCKETS = (8, 16, *range(32, 257, 32), *range(320, 1025, 64))
 
 
+class LayerPieces(Protocol):
+    """The per-token work of a decoder that graphs capture (``model.Decoder``): the
+    embedding, the rotations, a layer's queries and K/V, a layer's tail."""
+
+    device: torch.device
+    tp: TensorParallel
+    L: int  # layers
+    Hq: int  # query heads (this rank's)
+    H: int  # K/V heads (this rank's)
+    D: int  # head dimension
+    cdt: torch.dtype  # compute dtype
+    kv_dtype: torch.dtype
+    embed: torch.Tensor  # [vocab, hidden]
+
+    @property
+    def hidden(self) -> int: ...
+
+    def rotation(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def qkv(self, layer: int, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def layer_tail(self, layer: int, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor
+                   ) -> torch.Tensor: ...
+
+
 class StepGraphs:
     """The captured per-token work of ``model`` for steps of up to ``max(buckets)``
     tokens. ``begin(tok, pos)`` loads a step and replays graph 0; ``layer(l)`` replays
     graph ``l + 1`` once ``attn`` holds layer ``l``'s attention."""
 
-    def __init__(self, model: Decoder, buckets: tuple[int, ...] = DEFAULT_BUCKETS):
+    def __init__(self, model: LayerPieces, buckets: tuple[int, ...] = DEFAULT_BUCKETS):
         assert model.device.type == "cuda", f"CUDA graphs need a CUDA model, not {model.device}"
         assert model.tp.size == 1, "a captured step cannot hold the tensor-parallel allreduce"
         self.m, self.buckets = model, tuple(sorted(buckets))
-        n, dev, g = self.buckets[-1], model.device, model.g
+        n, dev = self.buckets[-1], model.device
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.x = torch.zeros(n, g.hidden, dtype=torch.float32, device=dev)
-        self.h = torch.zeros(n, g.hidden, dtype=model.cdt, device=dev)
+        self.x = torch.zeros(n, model.hidden, dtype=torch.float32, device=dev)
+        self.h = torch.zeros(n, model.hidden, dtype=model.cdt, device=dev)
         self.q = torch.zeros(n, model.Hq, model.D, dtype=model.cdt, device=dev)
         self.kv = torch.zeros(n, 2, model.H, model.D, dtype=model.kv_dtype, device=dev)
         self.attn = torch.zeros(n, model.Hq, model.D, dtype=model.cdt, device=dev)
@@ -70,13 +95,13 @@ class StepGraphs:
         x, h, attn = self.x[:n], self.h[:n], self.attn[:n]
         if i == 0:
             x.copy_(m.embed[self.tok[:n]])
-            cos, sin = m._rotation(self.pos[:n])
+            cos, sin = m.rotation(self.pos[:n])
             self.cos[:n].copy_(cos)
             self.sin[:n].copy_(sin)
         else:
-            x.copy_(m._layer_tail(i - 1, x, h, attn.reshape(n, -1)))
+            x.copy_(m.layer_tail(i - 1, x, h, attn.reshape(n, -1)))
         if i < m.L:
-            hh, q, kv = m._qkv(i, x, (self.cos[:n], self.sin[:n]))
+            hh, q, kv = m.qkv(i, x, (self.cos[:n], self.sin[:n]))
             h.copy_(hh)
             self.q[:n].copy_(q)
             self.kv[:n].copy_(kv)

@@ -125,6 +125,10 @@ class Decoder:
                           ).to(torch.float32).to(device)
         self.graphs: StepGraphs | None = None  # capture_graphs()
 
+    @property
+    def hidden(self) -> int:
+        return self.g.hidden
+
     def can_capture(self) -> bool:
         """Whether steps can replay CUDA graphs (``graphs``): a CUDA model on one rank."""
         return self.device.type == "cuda" and self.tp.size == 1
@@ -138,7 +142,7 @@ class Decoder:
         self.graphs = graphs
 
     # -- pieces ---------------------------------------------------------------------------------
-    def _rotation(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-width cos and ``[-sin, sin]`` ``[T, 1, D]`` of the positions ``pos [T]``
         (half-split pairs; an odd last dimension stays as it is), once per forward pass."""
         ang = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
@@ -157,7 +161,7 @@ class Decoder:
         swapped = torch.cat([x[..., half: 2 * half], x[..., :half], x[..., 2 * half:]], -1)
         return torch.addcmul(x * cos, swapped, sin)
 
-    def _qkv(self, layer: int, x: torch.Tensor, rot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, layer: int, x: torch.Tensor, rot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed input ``h``, queries ``[T, Hq, D]`` (compute dtype) and the new K/V
         ``[T, 2, H, D]`` in the cache's dtype."""
         h = _rms_norm(x).to(self.cdt)
@@ -168,7 +172,7 @@ class Decoder:
         kv = torch.stack([qk[:, self.Hq:].to(self.kv_dtype), v.to(self.kv_dtype)], dim=1)
         return h, qk[:, : self.Hq].to(self.cdt), kv
 
-    def _layer_tail(self, layer: int, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def layer_tail(self, layer: int, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         gate, up = (h @ self.w13[layer]).chunk(2, dim=-1)
         part = (attn.to(self.cdt) @ self.wo[layer] + (F.silu(gate) * up) @ self.w2[layer]).to(torch.float32)
         self.tp.allreduce_(part)
@@ -196,7 +200,7 @@ class Decoder:
         else:
             tok, pos = tok.to(dev), pos.to(dev)
             x = self.embed[tok].to(torch.float32)
-            rot = self._rotation(pos)
+            rot = self.rotation(pos)
         rows = torch.from_numpy(np.repeat(np.array([s.row for s in segs], dtype=np.int64), lens)).to(dev)
         blk = table[rows, pos // tpb].long()
         off = pos % tpb
@@ -207,7 +211,7 @@ class Decoder:
             if graphs is not None:
                 q, kv = graphs.q[:T], graphs.kv[:T]
             else:
-                h, q, kv = self._qkv(layer, x, rot)
+                h, q, kv = self.qkv(layer, x, rot)
             pool = cache.kv_pool(layer)
             pool[blk, :, off] = kv
             written[:, layer] = kv
@@ -216,7 +220,7 @@ class Decoder:
                 graphs.layer(layer)  # the layer's tail and the next one's queries and K/V
             else:
                 attn = self._attend(pool, q, keys)
-                x = self._layer_tail(layer, x, h, attn.reshape(T, -1))
+                x = self.layer_tail(layer, x, h, attn.reshape(T, -1))
         if graphs is not None:
             x = graphs.x[:T]
         ends = torch.as_tensor(np.cumsum(lens) - 1, device=dev)
@@ -240,13 +244,13 @@ class Decoder:
         tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(dev)
         pos = torch.arange(len(tok), device=dev)
         x = self.embed[tok].to(torch.float32)
-        rot = self._rotation(pos)
+        rot = self.rotation(pos)
         for layer in range(self.L):
-            h, q, kv = self._qkv(layer, x, rot)
+            h, q, kv = self.qkv(layer, x, rot)
             # K/V rounded through the cache dtype exactly as the cached path stores them.
             k, v = (kv[:, i].to(self.cdt).transpose(0, 1) for i in (0, 1))
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
-            x = self._layer_tail(layer, x, h, out.transpose(0, 1).reshape(len(tok), -1))
+            x = self.layer_tail(layer, x, h, out.transpose(0, 1).reshape(len(tok), -1))
         return self._logits(x[-1:])[0]
 
 

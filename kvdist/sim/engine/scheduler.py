@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ...errors import ConfigError
-from ..experiment.workload import Request, Trace
+from .request import Request, RequestSource
 
 
 @dataclass(slots=True)
@@ -60,7 +60,7 @@ class Scheduler:
     land them in GPU blocks, which the reservation covers — and the request is admitted
     once the gate says so, under the other two limits."""
 
-    def __init__(self, trace: Trace, *, max_batch: int, max_prefill_tokens: int,
+    def __init__(self, trace: RequestSource, *, max_batch: int, max_prefill_tokens: int,
                  gpu_blocks: int, tokens_per_block: int, gate: AdmissionGate | None = None):
         self.tpb = tokens_per_block
         self.gate = gate

@@ -26,6 +26,14 @@ def logits_tolerance(kv_dtype: torch.dtype, compute_dtype: torch.dtype = torch.f
 
 
 @dataclass(slots=True)
+class QueuedDigests:
+    """Digests of a step's reused blocks, queued on the device."""
+
+    picks: list[tuple[int, int]]  # (prefill index, blocks reused)
+    parts: list[torch.Tensor]  # int64 digests, in the order of the picks' blocks
+
+
+@dataclass(slots=True)
 class CheckCounts:
     logits_checked: int = 0
     logits_failed: int = 0
@@ -47,18 +55,29 @@ class Verifier:
     def reused_blocks(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> None:
         """Digest every reused block as the cache hands it back (one gather per layer
         per GiB of blocks) and compare with the reference of what was written."""
+        self.check_queued(plan, self.queue_reused(plan, table, reused))
+
+    def queue_reused(self, plan: StepPlan, table: torch.Tensor, reused: list[int]) -> QueuedDigests | None:
+        """The digests of the reused blocks, queued on the device now (the pool as the
+        forward pass just read it); ``check_queued`` compares them later."""
         tpb = self.cache.layout.tokens_per_block
         picks = [(i, n // tpb) for i, n in enumerate(reused) if n]
         if not picks:
-            return
+            return None
         rows = torch.cat([table[i, :nb] for i, nb in picks]).long()
         pools = [self.cache.kv_pool(layer) for layer in range(self.model.L)]
-        digests: list[int] = []
         per = max(1, _CHUNK_BYTES // self.cache.layout.bytes_per_block)  # bounded scratch memory
-        for lo in range(0, len(rows), per):
-            digests += self.ledger.digest(torch.stack([p[rows[lo: lo + per]] for p in pools], dim=1))
+        parts = [self.ledger.digest_queued(torch.stack([p[rows[lo: lo + per]] for p in pools], dim=1))
+                 for lo in range(0, len(rows), per)]
+        return QueuedDigests(picks, parts)
+
+    def check_queued(self, plan: StepPlan, queued: QueuedDigests | None) -> None:
+        """Compare digests ``queue_reused`` queued with the references (waits for them)."""
+        if queued is None:
+            return
+        digests = [d for part in queued.parts for d in part.tolist()]
         at = 0
-        for i, nb in picks:
+        for i, nb in queued.picks:
             self.ledger.check_reused(plan.prefills[i].req.rid, digests[at: at + nb])
             at += nb
 

@@ -27,16 +27,26 @@ import numpy as np
 import torch
 
 from ..engine.parallel import TensorParallel
-from .workload import Request
+from ..engine.request import Request
+from ..engine.scheduler import Scheduler
 
 
 class StepTime:
-    """No wall clock: nothing to synchronize, nothing paused."""
+    """No wall clock: nothing to synchronize, nothing paused; the scheduler counts its
+    own steps (one step of the trace per step)."""
 
     realtime = False
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    def start(self) -> None:
+        """The run starts (every rank, before its first step)."""
+
+    def before_step(self, sched: Scheduler) -> float | None:
+        """The trace's time to schedule the next step at (``Scheduler.next_step``);
+        ``None``: the scheduler's own step count."""
+        return None
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -66,6 +76,9 @@ class RealTime(StepTime):
     def local(self) -> float:
         return time.perf_counter() - self._origin - self.paused_s
 
+    def before_step(self, sched: Scheduler) -> float | None:
+        return self.now()
+
     def now(self) -> float:
         """The run's time, agreed: rank 0's reading on every rank."""
         t = self.local()
@@ -85,6 +98,32 @@ class RealTime(StepTime):
         finally:
             self.sync()
             self.paused_s += time.perf_counter() - t0
+
+
+class WallSteps(StepTime):
+    """The trace's time by the wall clock, one step per ``step_ms``, the same on every
+    replica of a job (``start`` is a barrier of the job's ``world``); agreed inside the
+    TP group ``tp`` (its ranks read the clock at slightly different moments). With
+    nothing running or waiting, a step sleeps until the next arrival."""
+
+    def __init__(self, device: torch.device, tp: TensorParallel, world: TensorParallel, step_ms: float):
+        super().__init__(device)
+        self.tp, self.world, self.step_s = tp, world, step_ms / 1e3
+        self.t0 = 0.0  # time.monotonic() at the start, the same moment everywhere
+
+    def start(self) -> None:
+        self.world.barrier()
+        self.t0 = time.monotonic()
+
+    def before_step(self, sched: Scheduler) -> float | None:
+        now = int((time.monotonic() - self.t0) / self.step_s)
+        now = -self.tp.allreduce_min([-now])[0]  # the latest clock of the group
+        nxt = sched.idle_until()
+        if nxt is not None and nxt > now:  # the same on every rank of the group
+            time.sleep(max(0.0, self.t0 + nxt * self.step_s - time.monotonic()))
+            now = nxt
+        sched.advance(now)
+        return None
 
 
 def _pct(a: np.ndarray, q: float) -> float:

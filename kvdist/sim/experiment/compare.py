@@ -24,13 +24,16 @@ from ...config import CacheConfig
 from ...storage.gpu import torch_dtype
 from ..engine.model import Decoder, Geometry, compute_dtype_for
 from ..engine.parallel import TensorParallel
-from .driver import RunOptions, Simulation
+from .job import solo
+from .options import RunOptions
 from .placement import placements
-from .report import new_run_dir, point_latest, write_results
+from .report import publish
 
 _COLD_OFF = {"host": {"bytes": 0}, "disk": {"bytes": 0}}
 CONFIGS: dict[str, dict] = {
     "all-tiers": {},
+    # The serial loop for comparison: run next to all-tiers where that runs ahead.
+    "all-tiers-serial": {"workload": {"run_ahead": False}},
     "gpu+host": {"cache": {"disk": {"bytes": 0}}},  # not compared by default: isolates the disk tier
     "gpu-only": {"cache": _COLD_OFF},
     "no-reuse": {"cache": {**_COLD_OFF, "enable_reuse": False}},
@@ -58,9 +61,9 @@ def _warm_up(cfg: CacheConfig, opts: RunOptions, comm, model: Decoder) -> None:
     libraries pick their algorithms and the allocator grows to the step's sizes before
     any configuration's clock runs, so the first one measured pays no start-up."""
     n = min(WARM_UP_REQUESTS, cfg.workload.requests)
-    sim = Simulation(cfg.replace(workload={"requests": n}, **CONFIGS["gpu-only"]),
-                     replace(opts, requests=None, out=None, progress=False), comm, model=model, realtime=True,
-                     label="warm-up")
+    sim = solo(cfg.replace(workload={"requests": n}, **CONFIGS["gpu-only"]),
+               replace(opts, requests=None, out=None, progress=False), comm, model=model, realtime=True,
+               label="warm-up")
     try:
         sim.run()
     finally:
@@ -71,15 +74,15 @@ def run_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
     """Every configuration of CONFIGS on every rank of ``comm`` (collective)."""
     if opts.requests is not None:
         cfg = cfg.replace(workload={"requests": opts.requests})
-    tp = TensorParallel(comm)
+    tp = TensorParallel.of(cfg, comm)
     runs: dict[str, dict] = {}
     try:
         model = build_model(cfg, tp, comm)
         _warm_up(cfg, opts, comm, model)
-        for name in opts.configs:
+        for name in configurations(cfg, opts.configs, model.device):
             over = CONFIGS[name]
-            sim = Simulation(cfg.replace(**over) if over else cfg, opts, comm, model=model, realtime=True,
-                             label=name)
+            sim = solo(cfg.replace(**over) if over else cfg, opts, comm, model=model, realtime=True,
+                       label=name)
             try:
                 runs[name] = sim.run()
             finally:
@@ -92,6 +95,16 @@ def run_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
     if tp.rank == 0:
         _write(results, opts)
     return results
+
+
+def configurations(cfg: CacheConfig, names: tuple[str, ...], device: torch.device) -> list[str]:
+    """``names`` in order, with the serial loop next to all tiers where all tiers runs
+    ahead (``workload.run_ahead``; by default on CUDA)."""
+    out = list(names)
+    ahead = cfg.workload.run_ahead if cfg.workload.run_ahead is not None else device.type == "cuda"
+    if ahead and "all-tiers" in out and "all-tiers-serial" not in out:
+        out.insert(out.index("all-tiers") + 1, "all-tiers-serial")
+    return out
 
 
 def _one_line(name: str, r: dict) -> str:
@@ -119,6 +132,12 @@ def _assemble(cfg: CacheConfig, runs: dict[str, dict]) -> dict:
                                  "integrity_mismatches", "bytes_offloaded", "bytes_onboarded", "steps",
                                  "seconds")},
     }
+    if "all-tiers" in lat and "all-tiers-serial" in lat:
+        ahead, serial = lat["all-tiers"], lat["all-tiers-serial"]
+        out["run_ahead_vs_serial"] = {
+            "ttft_p50": _ratio(ahead["ttft_ms"]["p50"], serial["ttft_ms"]["p50"]),
+            "prompt_tokens_per_s": _ratio(ahead["prompt_tokens_per_s"], serial["prompt_tokens_per_s"]),
+        }
     if "all-tiers" in lat and "gpu-only" in lat:
         tiers, gpu = lat["all-tiers"], lat["gpu-only"]
         out["all_tiers_vs_gpu_only"] = {
@@ -141,12 +160,22 @@ def render(results: dict) -> str:
                      f"{lat['tpot_ms']['mean']:.1f}", f"{lat['requests_per_s']:.2f}",
                      f"{lat['prompt_tokens_per_s']:,.0f}", f"{100 * (prompt - computed) / prompt:.1f}%",
                      f"{r['model_ms_per_step']:.1f}", f"{r['cache_api_us_per_step'] / 1e3:.1f}",
-                     f"{r['compute_wait_us_per_step'] / 1e3:.2f}",
+                     f"{r['compute_wait_us_per_step'] / 1e3:.2f}", *_critical(r["critical_path"]),
                      f"{r['integrity_mismatches']}/{r['integrity']['logits_failed']}"])
     head = ["configuration", "TTFT p50 ms", "p90", "p99", "queue p50/p99", "TPOT ms", "req/s", "prompt tok/s",
-            "reused", "model ms/step", "cache ms/step", "copy wait ms/step", "bad blocks/logits"]
+            "reused", "model ms/step", "cache ms/step", "copy wait ms/step", "GPU idle/step",
+            "cache on path ms", "bad blocks/logits"]
     lines = [f"open loop at {results['request_rate']:g} requests/s, the same trace for every configuration",
              tabulate(rows, headers=head, colalign=("left",) + ("right",) * (len(head) - 1))]
+    timers = {r["critical_path"]["timers"] for r in results["runs"].values()}
+    lines.append("GPU idle/step: the step's wall time less the GPU's in its forward pass; cache on path: the "
+                 "cache's host time the GPU waited for (" + ", ".join(sorted(timers)) + "); a run that runs "
+                 "ahead is marked >")
+    q = results.get("run_ahead_vs_serial")
+    if q is not None:
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        lines.append(f"all tiers running ahead vs serial: TTFT p50 {fmt(q['ttft_p50'])}; prompt tokens per "
+                     f"second {fmt(q['prompt_tokens_per_s'])}")
     q = results.get("all_tiers_vs_gpu_only")
     if q is not None:
         fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
@@ -155,19 +184,21 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _write(results: dict, opts: RunOptions) -> None:
-    print("\n" + render(results), flush=True)
-    if opts.out is None:
-        return
-    run_dir = new_run_dir(opts.out)
-    results["run_dir"] = str(run_dir)
-    write_results(run_dir, results)
-    try:
-        from .plots import ttft_cdf
+def _critical(c: dict) -> list[str]:
+    """The critical path's two columns (GPU idle per step, cache on the path)."""
+    mark = ">" if c["run_ahead"] else ""
+    return [f"{mark}{c['gpu_idle_ms']:.1f} ms ({100 * c['gpu_idle_fraction']:.0f}%)",
+            f"{c['cache_on_critical_path_us'] / 1e3:.2f}"]
 
-        plot = ttft_cdf(run_dir, {name: r["latency"]["ttft_s"] for name, r in results["runs"].items()},
-                        results["request_rate"]).name
-    except ImportError:  # matplotlib is the optional `sim` extra
-        plot = "no plot: matplotlib is not installed"
-    point_latest(run_dir)
-    print(f"results: {run_dir}/results.json (+ {plot}); {Path(opts.out) / 'latest'} points there", flush=True)
+
+def _write(results: dict, opts: RunOptions) -> None:
+    def plot(run_dir: Path) -> list[str]:
+        try:
+            from .plots import ttft_cdf
+
+            return [ttft_cdf(run_dir, {name: r["latency"]["ttft_s"] for name, r in results["runs"].items()},
+                             results["request_rate"]).name]
+        except ImportError:  # matplotlib is the optional `sim` extra
+            return ["no plot: matplotlib is not installed"]
+
+    publish(results, opts.out, render, plot)

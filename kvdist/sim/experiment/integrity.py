@@ -64,12 +64,15 @@ class BlockLedger:
     # -- digests ------------------------------------------------------------------------------------
     def digest(self, blocks: torch.Tensor) -> list[int]:
         """Digests of ``blocks [n, layers, 2, tpb, heads, dim]`` (the cache's block layout)."""
+        return self.digest_queued(blocks).tolist()
+
+    def digest_queued(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``digest`` as an int64 tensor on the blocks' device, not waited for."""
         n = blocks.shape[0]
         words = blocks.contiguous().view(n, -1).view(self._word)
-        out = []
-        for lo in range(0, n, self._chunk):
-            out.append((words[lo: lo + self._chunk].to(torch.int64) * self._weights).sum(dim=1))
-        return torch.cat(out).tolist() if out else []
+        out = [(words[lo: lo + self._chunk].to(torch.int64) * self._weights).sum(dim=1)
+               for lo in range(0, n, self._chunk)]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=blocks.device)
 
     @staticmethod
     def _chain(parent: bytes, tokens: np.ndarray) -> bytes:

@@ -62,7 +62,7 @@ def write_plots(run_dir: Path, tl: Timeline, block_bytes: int, world_size: int) 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     scale = block_bytes * world_size / 2**20
     for m, color in (("offload", _COLORS["host"]), ("onboard", _COLORS["gpu"]), ("demote", _COLORS["disk"]),
-                     ("fetch", "#38a169"), ("spill", "#e53e3e")):
+                     ("reload", "#38a169"), ("spill", "#e53e3e")):
         per_step = _per_step(tl.moved[m]) * scale
         if per_step.any():
             ax.plot(steps, _rolling(per_step, window) / window, color=color, lw=1.2, label=m)

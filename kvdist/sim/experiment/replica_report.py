@@ -4,66 +4,65 @@ as tables on rank 0 and written to ``runs/<UTC time>/results.json``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 from tabulate import tabulate
 
 from ...blocks import TIER_NAMES
 from ...config import CacheConfig
 from .ceiling import StepLog, replay
-from .driver import RunOptions
-from .report import check_lines, human_bytes, new_run_dir, point_latest, write_results
+from .options import RunOptions
+from .replica_job import ReplicaFigures
+from .report import check_lines, human_bytes, percent, publish
+from .results import ledger_totals
 from .workload import Trace
 
 LOCAL_TIERS = TIER_NAMES
 
 
-def _run_summary(parts: list[dict], replicas: int) -> dict:
+def _run_summary(parts: list[ReplicaFigures], replicas: int) -> dict:
     """One run (isolated or sharing) from every rank's figures."""
     rows = []
     for k in range(replicas):
-        members = sorted((p for p in parts if p["replica"] == k), key=lambda p: p["tp_rank"])
-        lead = members[0]
-        st = lead["stats"]
+        members = sorted((p for p in parts if p.figures.replica == k), key=lambda p: p.figures.tp_rank)
+        lead, lead_gate = members[0].figures, members[0].gate
+        ranks = [p.figures for p in members]
+        st = lead.stats
         hits = st["hit_tokens"]
         rows.append({
-            "replica": k, "requests": lead["finished"], "requests_routed": lead["requests"],
-            "steps": lead["steps"], "prompt_tokens": st["prompt_tokens"], "reused_tokens": hits,
+            "replica": k, "requests": lead.finished, "requests_routed": lead.requests,
+            "steps": lead.steps, "prompt_tokens": st["prompt_tokens"], "reused_tokens": hits,
             "prefill_tokens_computed": st["prompt_tokens"] - sum(hits.values()),
-            "bytes_fetched_remote": sum(p["stats"]["bytes_fetched_remote"] for p in members),
+            "bytes_fetched_remote": sum(f.stats["bytes_fetched_remote"] for f in ranks),
             "remote_misses": st["remote_misses"],  # the replica's verdicts, alike on its ranks
-            "prefetched": lead["gate"][0], "held_for_prefetch": lead["gate"][1],
-            "logits": [lead["logits"][0], max(p["logits"][1] for p in members),
-                       max(p["logits"][2] for p in members)],
-            "consistency": lead["consistency"],
+            "prefetched": lead_gate[0], "held_for_prefetch": lead_gate[1],
+            "logits": [lead.logits[0], max(f.logits[1] for f in ranks), max(f.logits[2] for f in ranks)],
+            "consistency": list(lead.consistency),
             # SPMD inside the replica: its TP ranks reused, moved and stepped alike.
-            "tp_identical": all((p["stats"]["hit_tokens"], p["stats"]["blocks_moved"], p["steps"])
-                                == (hits, st["blocks_moved"], lead["steps"]) for p in members),
+            "tp_identical": all((f.stats["hit_tokens"], f.stats["blocks_moved"], f.steps)
+                                == (hits, st["blocks_moved"], lead.steps) for f in ranks),
         })
-    ledgers = [p["ledger"] for p in parts]
+    figures = [p.figures for p in parts]
     tiers = sorted({t for r in rows for t in r["reused_tokens"]},
                    key=lambda t: (LOCAL_TIERS + ("remote",)).index(t))
-    mismatches = sum(x[1] for x in ledgers)
+    totals = ledger_totals(figures)
+    mismatches = totals["mismatched_blocks"]
     summary = {
         "replicas": rows,
         "requests": sum(r["requests"] for r in rows),
         "reused_tokens": {t: sum(r["reused_tokens"].get(t, 0) for r in rows) for t in tiers},
         "prefill_tokens_computed": sum(r["prefill_tokens_computed"] for r in rows),
-        "bytes_offloaded": sum(p["stats"]["bytes_offloaded"] for p in parts),
-        "bytes_onboarded": sum(p["stats"]["bytes_onboarded"] for p in parts),
+        "bytes_offloaded": sum(f.stats["bytes_offloaded"] for f in figures),
+        "bytes_onboarded": sum(f.stats["bytes_onboarded"] for f in figures),
         "bytes_fetched_remote": sum(r["bytes_fetched_remote"] for r in rows),
         "remote_misses": sum(r["remote_misses"] for r in rows),
         "steps": max(r["steps"] for r in rows),
         # Per step of each rank's own replica, averaged over the ranks.
-        "cache_api_us_per_step": 1e6 * _mean(p["clock"][0] / max(p["steps"], 1) for p in parts),
-        "bookkeeping_us_per_step": 1e6 * _mean(p["stats"]["bookkeeping_seconds"] / max(p["steps"], 1)
-                                               for p in parts),
-        "model_ms_per_step": 1e3 * _mean(p["clock"][1] / max(p["steps"], 1) for p in parts),
+        "cache_api_us_per_step": 1e6 * _mean(f.cache_api_s / max(f.steps, 1) for f in figures),
+        "bookkeeping_us_per_step": 1e6 * _mean(f.stats["bookkeeping_seconds"] / max(f.steps, 1)
+                                               for f in figures),
+        "model_ms_per_step": 1e3 * _mean(f.model_s / max(f.steps, 1) for f in figures),
         "integrity": {
-            "blocks_checked": sum(x[0] for x in ledgers), "mismatched_blocks": mismatches,
-            "unknown_blocks": sum(x[2] for x in ledgers), "recomputed_variants": sum(x[3] for x in ledgers),
-            "first_mismatch": next((x[4] for x in ledgers if x[4]), None),
+            **totals,
             "logits_checked": sum(r["logits"][0] for r in rows),
             "logits_failed": sum(r["logits"][1] for r in rows),
             "logits_max_abs_diff": max(r["logits"][2] for r in rows),
@@ -98,7 +97,7 @@ def _turns(trace: Trace, routes: np.ndarray, logs: list[StepLog]) -> dict:
     return {"follow_ups": len(follow), "sent_away": len(away), "ran_before_previous_finished": len(early)}
 
 
-def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, dict]], seconds: float,
+def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, ReplicaFigures]], seconds: float,
              solo_comm=None) -> dict:
     """The job's results (rank 0) from every rank's ``{run name: figures}``; replays
     the last run's steps through one cache of the replicas' total capacity
@@ -106,12 +105,12 @@ def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, dict]], se
     names = list(everyone[0])
     by_run = {name: [e[name] for e in everyone] for name in names}
     last = by_run[names[-1]]
-    replicas = 1 + max(p["replica"] for p in last)
-    routes = np.asarray(everyone[0][names[0]]["routes"])
+    replicas = 1 + max(p.figures.replica for p in last)
+    routes = np.asarray(everyone[0][names[0]].routes)
     runs = {name: _run_summary(parts, replicas) for name, parts in by_run.items()}
-    leads = sorted((p for p in last if p["tp_rank"] == 0), key=lambda p: p["replica"])
-    logs = [StepLog(p["log"]) for p in leads]
-    capacity = {t: n for t, n in last[0]["stats"]["capacity_blocks"].items() if t in LOCAL_TIERS}
+    leads = sorted((p for p in last if p.figures.tp_rank == 0), key=lambda p: p.figures.replica)
+    logs = [StepLog(p.log) for p in leads]
+    capacity = {t: n for t, n in last[0].figures.stats["capacity_blocks"].items() if t in LOCAL_TIERS}
     ceiling_hits = replay(cfg, trace, logs, capacity, cfg.workload.priority, comm=solo_comm)
     prompt = trace.prompt_tokens
     computed = {"no reuse": prompt, **{name: runs[name]["prefill_tokens_computed"] for name in names},
@@ -128,14 +127,14 @@ def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, dict]], se
         consistency_error=next((runs[n]["integrity"]["consistency_error"] for n in names
                                 if runs[n]["integrity"]["consistency_error"]), None),
         logits_max_abs_diff=max(runs[n]["integrity"]["logits_max_abs_diff"] for n in names),
-        logits_tolerance=last[0]["tolerance"],
+        logits_tolerance=last[0].figures.tolerance,
         tokens_checked=0)
     integrity["tokens_checked"] = integrity["blocks_checked"] * cfg.cache.tokens_per_block
     return {
         "ok": all(r["ok"] for r in runs.values()),
         "world_size": len(last), "replicas": replicas, "tp_size": len(last) // replicas,
-        "routing": cfg.workload.routing, "device": ",".join(sorted(set(everyone[0][names[0]]["placement"]))),
-        "tiers": last[0]["tiers"], "runs": runs,
+        "routing": cfg.workload.routing, "device": ",".join(sorted(set(everyone[0][names[0]].placement))),
+        "tiers": last[0].figures.tiers, "runs": runs,
         "requests": final["requests"], "requests_in_trace": len(trace.requests),
         "prompt_tokens": prompt, "reused_tokens": final["reused_tokens"],
         "ceiling": {"reused_tokens": ceiling_hits,
@@ -147,13 +146,9 @@ def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, dict]], se
         "bytes_offloaded": final["bytes_offloaded"], "bytes_onboarded": final["bytes_onboarded"],
         "bytes_fetched_remote": final["bytes_fetched_remote"], "remote_misses": final["remote_misses"],
         "integrity_mismatches": integrity["mismatched_blocks"], "integrity": integrity,
-        "steps": final["steps"], "seconds": seconds, "block_bytes": last[0]["stats"]["block_bytes"],
+        "steps": final["steps"], "seconds": seconds, "block_bytes": last[0].figures.stats["block_bytes"],
         "config": cfg.normalized(),
     }
-
-
-def _pct(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
 def render(r: dict) -> str:
@@ -165,16 +160,17 @@ def render(r: dict) -> str:
     label = {"isolated": f"{R} replicas isolated (remote tier off)",
              "sharing": f"{R} replicas sharing (remote tier on)",
              "one cache (ceiling)": f"one cache of {R}x the capacity (ceiling, replay)"}
-    rows = [[label.get(name, name), prompt - n, n, _pct(prompt - n, prompt) if name != "no reuse" else "-"]
+    rows = [[label.get(name, name), prompt - n, n, percent(prompt - n, prompt) if name != "no reuse" else "-"]
             for name, n in computed.items()]
     out.append(tabulate(rows, intfmt=",", colalign=("left", "right", "right", "right"),
                         headers=["on the same trace", "tokens reused", "prefill tokens computed", "saved"]))
     g = r["gap"]
-    line = (f"gap isolated -> ceiling: {g['tokens']:,} prefill tokens ({_pct(g['tokens'], prompt)} of the "
+    line = (f"gap isolated -> ceiling: {g['tokens']:,} prefill tokens ({percent(g['tokens'], prompt)} of the "
             f"prompt tokens; isolated replicas compute {g['isolated_over_ceiling']:.2f}x the ceiling's)")
     if "sharing" in computed:
-        line += (f"; sharing closed {g['closed_tokens']:,} of them ({_pct(g['closed_tokens'], g['tokens'])})"
-                 if g["tokens"] > 0 else "; nothing to close")
+        closed = percent(g["closed_tokens"], g["tokens"])
+        line += (f"; sharing closed {g['closed_tokens']:,} of them ({closed})" if g["tokens"] > 0
+                 else "; nothing to close")
     out.append(line)
     t = r["turns"]
     out.append(f"turns: {t['follow_ups']:,} follow-ups, {t['sent_away']:,} routed to another replica than "
@@ -212,12 +208,4 @@ def render(r: dict) -> str:
 
 def report(results: dict, opts: RunOptions) -> None:
     """Print the report (rank 0) and write ``results.json`` under ``opts.out``."""
-    if opts.out is not None:
-        run_dir = new_run_dir(opts.out)
-        results["run_dir"] = str(run_dir)
-        write_results(run_dir, results)
-        point_latest(run_dir)
-    print("\n" + render(results), flush=True)
-    if opts.out is not None:
-        latest = Path(opts.out) / "latest"
-        print(f"results: {results['run_dir']}/results.json; {latest} points there", flush=True)
+    publish(results, opts.out, render)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tabulate import tabulate
@@ -22,7 +23,8 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _pct(part: int, whole: int) -> str:
+def percent(part: float, whole: float) -> str:
+    """``part`` of ``whole`` as a percentage with one decimal, "-" of nothing."""
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
@@ -39,9 +41,9 @@ def render(r: dict) -> str:
     rows = [
         ["no reuse", 0, computed["no reuse"], "-"],
         ["gpu only", r["reused_tokens_gpu_only"], computed["gpu-only"],
-         _pct(prompt - computed["gpu-only"], prompt)],
+         percent(prompt - computed["gpu-only"], prompt)],
         [f"{' + '.join(tiers)} (this run)", total_reused, computed["this run"],
-         _pct(prompt - computed["this run"], prompt)],
+         percent(prompt - computed["this run"], prompt)],
     ]
     out.append("")
     out.append(tabulate(rows, headers=["reuse on the same trace", "tokens reused",
@@ -50,11 +52,11 @@ def render(r: dict) -> str:
     saved = r["prefill_tokens_saved"]
     out.append(f"prompt tokens {prompt:,}; this run saves {saved['vs no reuse']:,} prefill tokens vs no "
                f"reuse and {saved['vs gpu-only']:,} vs gpu-only reuse "
-               f"({_pct(saved['vs gpu-only'], computed['gpu-only'])} of gpu-only's prefill)")
+               f"({percent(saved['vs gpu-only'], computed['gpu-only'])} of gpu-only's prefill)")
     per_tier = []
     for t in tiers:
         per_tier.append([t, r["capacity_blocks"][t], human_bytes(r["capacity_blocks"][t] * r["block_bytes"]),
-                         r["reused_tokens"][t], _pct(r["reused_tokens"][t], prompt),
+                         r["reused_tokens"][t], percent(r["reused_tokens"][t], prompt),
                          r["evictions_by_tier"].get(t, 0)])
     out.append("")
     out.append(tabulate(per_tier, headers=["tier", "blocks/rank", "size/rank", "tokens reused",
@@ -72,6 +74,13 @@ def render(r: dict) -> str:
     out.append(f"per step: cache bookkeeping {r['bookkeeping_us_per_step']:.0f} µs, all cache calls "
                f"{r['cache_api_us_per_step']:.0f} µs (of which waiting for disk work "
                f"{r.get('host_wait_us_per_step', 0.0):.0f} µs), model {r['model_ms_per_step']:.1f} ms")
+    c = r.get("critical_path")
+    if c is not None:
+        how = "running ahead" if c["run_ahead"] else "serial"
+        out.append(f"critical path per step ({how}, {c['timers']}): {c['step_ms']:.1f} ms, GPU busy "
+                   f"{c['gpu_busy_ms']:.1f} ms, idle {c['gpu_idle_ms']:.1f} ms "
+                   f"({100 * c['gpu_idle_fraction']:.0f}%), cache on the critical path "
+                   f"{c['cache_on_critical_path_us']:.0f} µs")
     calls = r.get("cache_calls_us_per_step", {})
     out.append("cache calls per step: " + ", ".join(f"{name} {us:.0f} µs" for name, us in calls.items()))
     if r.get("copy_entries_per_step"):  # the CUDA executor
@@ -136,3 +145,22 @@ def write_results(run_dir: Path, results: dict) -> Path:
     path = run_dir / "results.json"
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def publish(results: dict, out: str | os.PathLike | None, render: Callable[[dict], str],
+            extras: Callable[[Path], list[str]] | None = None) -> None:
+    """Rank 0's end of every kind of run: ``results.json`` (and what ``extras`` writes
+    next to it, returning the names) in a new ``out/<UTC time>`` that ``out/latest``
+    then points to, and the report ``render`` makes printed. ``out`` None: print only."""
+    names: list[str] = []
+    if out is not None:
+        run_dir = new_run_dir(out)
+        results["run_dir"] = str(run_dir)
+        write_results(run_dir, results)
+        names = extras(run_dir) if extras is not None else []
+        point_latest(run_dir)
+    print("\n" + render(results), flush=True)
+    if out is not None:
+        more = f" (+ {', '.join(names)})" if names else ""
+        print(f"results: {results['run_dir']}/results.json{more}; {Path(out) / 'latest'} points there",
+              flush=True)

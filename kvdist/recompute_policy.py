@@ -1,29 +1,29 @@
-"""Fetch or recompute: a cached block in a cold tier is worth onboarding only when
-copying it costs less time than computing its tokens again (docs/design.md, "Fetch or
+"""Onboard or recompute: a cached block in a cold tier is worth onboarding only when
+copying it costs less time than computing its tokens again (docs/design.md, "Onboard or
 recompute").
 
 Figures, kept as running means:
 
-* each cold tier's fetch bandwidth (bytes per second of the copies that brought
+* each cold tier's onboard bandwidth (bytes per second of the copies that brought
   blocks from it to the GPU, as the executor timed them);
 * the engine's prefill cost (seconds per computed token of its prefill steps, which it
   reports through ``KVCache.observe_prefill``).
 
 The decision for one prompt's cached prefix (blocks in order, each in some tier) is
-the cut ``k`` that minimizes ``fetch(blocks before k) + recompute(blocks after k)``:
+the cut ``k`` that minimizes ``onboard(blocks before k) + recompute(blocks after k)``:
 GPU hits cost nothing, a host or disk hit costs ``block bytes / its tier's
 bandwidth``, a block not reused costs ``tokens per block x seconds per token``. A
 prefix must stay contiguous, so a slow block in the middle also gives up the
-blocks after it when that is cheaper than fetching it. With no figure yet for a tier
-(or no prefill figure) its blocks are fetched: that is how the figure is measured.
+blocks after it when that is cheaper than onboarding it. With no figure yet for a tier
+(or no prefill figure) its blocks are onboarded: that is how the figure is measured.
 
 Ranks of one TP group must cut identically, but their measured figures differ. So
 decisions use only *agreed* figures: each rank's figures are MIN-reduced (the
-slowest rank bounds both a fetch and a recompute) at every step boundary
+slowest rank bounds both an onboard and a recompute) at every step boundary
 (``KVCache.end_step``) and take effect from the next step on.
 
 The same figures decide where evicted blocks go: a tier whose blocks would never be
-fetched back (``worth_storing``) receives none; a host block evicted then is dropped
+onboarded back (``worth_storing``) receives none; a host block evicted then is dropped
 rather than demoted, so a slow disk costs no write traffic either."""
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def _mean(old: float, new: float) -> float:
 
 @dataclass(slots=True)
 class PolicyCounts:
-    fetched: list[int] = field(default_factory=lambda: [0, 0, 0])  # blocks, by tier
+    onboarded: list[int] = field(default_factory=lambda: [0, 0, 0])  # blocks, by tier
     recomputed: list[int] = field(default_factory=lambda: [0, 0, 0])  # cold hits recomputed instead
 
 
-class FetchPolicy:
+class RecomputePolicy:
     """Per-rank figures, the agreed figures, and the cut."""
 
     FIGURES = ("host_bytes_per_s", "disk_bytes_per_s", "prefill_tokens_per_s")
@@ -87,19 +87,19 @@ class FetchPolicy:
         if not self.enabled or rate >= UNKNOWN or n == 0:
             return n
         recompute = self.tpb / rate
-        fetch = [0.0, self.bpb / host_bw if host_bw < UNKNOWN else 0.0,
-                 self.bpb / disk_bw if disk_bw < UNKNOWN else 0.0]
-        if max(fetch[t] for t in set(tiers)) < recompute:
-            return n  # every block is cheaper to fetch than to compute: the usual case
+        onboard = [0.0, self.bpb / host_bw if host_bw < UNKNOWN else 0.0,
+                   self.bpb / disk_bw if disk_bw < UNKNOWN else 0.0]
+        if max(onboard[t] for t in set(tiers)) < recompute:
+            return n  # every block is cheaper to onboard than to compute: the usual case
         best, best_k, total = 0.0, 0, 0.0
         for i, t in enumerate(tiers):
-            total += fetch[t] - recompute
-            if total < best:  # strictly: fetch only when faster
+            total += onboard[t] - recompute
+            if total < best:  # strictly: onboard only when faster
                 best, best_k = total, i + 1
         return best_k
 
     def worth_storing(self, tier: int) -> bool:
-        """Whether a block moved into ``tier`` could ever be fetched back (it is not
+        """Whether a block moved into ``tier`` could ever be onboarded back (it is not
         dearer to copy than to recompute by the agreed figures). When it could not,
         moving blocks there is write traffic for nothing: the manager drops them
         instead (and keeps no room free there ahead of time). Agreed figures only, so
@@ -112,18 +112,18 @@ class FetchPolicy:
         return self.bpb / bw < self.tpb / rate
 
     def record(self, tiers: list[int], k: int) -> None:
-        """Count the cold blocks of a prefix fetched (before ``k``) and given up."""
+        """Count the cold blocks of a prefix onboarded (before ``k``) and given up."""
         c = self.counts
         for i, t in enumerate(tiers):
             if t != GPU:
-                (c.fetched if i < k else c.recomputed)[t] += 1
+                (c.onboarded if i < k else c.recomputed)[t] += 1
 
     def stats(self, has_tier) -> dict:
         host_bw, disk_bw, rate = self.agreed
         known = lambda v: None if v >= UNKNOWN else v  # noqa: E731
         cold = [t for t in (HOST, DISK) if has_tier(t)]
         return {"enabled": self.enabled,
-                "fetched_blocks": {TIER_NAMES[t]: self.counts.fetched[t] for t in cold},
+                "onboarded_blocks": {TIER_NAMES[t]: self.counts.onboarded[t] for t in cold},
                 "recomputed_blocks": {TIER_NAMES[t]: self.counts.recomputed[t] for t in cold},
                 "host_bytes_per_s": known(host_bw), "disk_bytes_per_s": known(disk_bw),
                 "prefill_tokens_per_s": known(rate)}

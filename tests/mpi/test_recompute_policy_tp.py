@@ -1,7 +1,7 @@
-"""Fetch or recompute across ranks: every rank measures its own figures (here, each
+"""Onboard or recompute across ranks: every rank measures its own figures (here, each
 reports a different prefill rate), yet all ranks take the same decisions, from the
 figures MIN-reduced at each end_step. With the disk throttled to 26 ms a block, rank 0
-alone (100 tokens/s: 40 ms to recompute a block) would fetch its disk hits and the
+alone (100 tokens/s: 40 ms to recompute a block) would onboard its disk hits and the
 others (4,000+ tokens/s) would recompute them: decided per rank, the ranks diverge."""
 
 import pytest
@@ -36,10 +36,10 @@ def test_ranks_with_different_figures_decide_alike(tmp_path_factory):
             cache.observe_prefill(100 if world.rank == 0 else 4000 * world.rank, 1.0)
             d.end()
             d.release(i)
-        s = cache.stats()["fetch_policy"]
+        s = cache.stats()["recompute_policy"]
         assert s["prefill_tokens_per_s"] == 100 and s["disk_bytes_per_s"] <= 20_000
-        assert s["recomputed_blocks"]["disk"] == 0 and s["fetched_blocks"]["disk"] > 1
-        decisions = (reused, s["fetched_blocks"], s["recomputed_blocks"])
+        assert s["recomputed_blocks"]["disk"] == 0 and s["onboarded_blocks"]["disk"] > 1
+        decisions = (reused, s["onboarded_blocks"], s["recomputed_blocks"])
         assert world.allgather(decisions) == [decisions] * world.size
         cache.check_consistency()  # the caches' states are identical too
         assert d.mismatched_tokens == 0

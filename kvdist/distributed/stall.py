@@ -1,0 +1,213 @@
+"""Run-time deadlines, and naming the rank a collective waits for.
+
+Start-up collectives are bounded by ``distributed.consensus_timeout_s``; once a cache
+(or the main job's model) runs, every collective of :class:`~kvdist.distributed.comm.MpiComm`
+is bounded by a :class:`Pace` instead (``distributed.step_timeout_s``): a fixed number of
+seconds, or ``auto`` = ``max(FLOOR_S, FACTOR x the slowest interval between two
+completed collectives of that communicator)`` — a few times the slowest step seen.
+
+When a deadline passes, the ranks learn *which* rank did not arrive without another
+collective (that rank would not join it): every run-time communicator has a
+:class:`Watch`, a Dup of it that carries small point-to-point messages. The rank whose
+deadline passed sends its status (the collective it waits in, for how long) to every
+peer; a rank waiting in any bounded collective polls every watch of its process and
+answers with its own; after ``GRACE_S`` the peers not heard from are the stalled ones,
+named with the node and pid every rank gave at start. A peer heard from but waiting in
+another collective means the ranks called different collectives. Either way every rank
+raises (:class:`~kvdist.errors.RankStalled` or
+:class:`~kvdist.errors.CollectiveMismatch`), tells the peers of its other watches (the
+job's other replicas learn it by message, never by a collective: rule R3), and every
+later bounded collective of the process raises the same error at once."""
+
+from __future__ import annotations
+
+__all__ = ["FACTOR", "FLOOR_S", "GRACE_S", "Pace", "Peer", "Watch", "ended", "expired", "keep", "poll"]
+
+import time
+from dataclasses import dataclass
+
+from ..errors import CollectiveMismatch, KVDistError, RankStalled
+
+FLOOR_S = 10.0  # auto: never less than this
+FACTOR = 4.0  # auto: this many times the slowest interval between collectives seen
+GRACE_S = 1.0  # how long the ranks that arrived wait to hear from each other
+_STATUS, _ENDED, _NOTICE = 0x5A1, 0x5A2, 0x5A3  # message tags on a watch
+
+_watches: list[Watch] = []  # the process's live watches
+_ended: list[KVDistError] = []  # the stall (or mismatch) this process learned of
+_kept: list[object] = []  # send requests and Dups MPI may still use
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who a rank of a communicator is, for naming it: its world rank, node and pid."""
+
+    rank: int
+    host: str
+    pid: int
+
+    def name(self) -> str:
+        return f"rank {self.rank} (node {self.host}, pid {self.pid})"
+
+
+class Pace:
+    """The deadline of a run-time collective (``distributed.step_timeout_s``): ``fixed``
+    seconds, or (None, ``auto``) max(FLOOR_S, FACTOR x the slowest interval between two
+    completed collectives). Until the first collective has completed, ``warm_up_s``
+    (the start-up bound): the ranks reach it after set-up work of their own (a model
+    built, a report's header), not after a step."""
+
+    def __init__(self, fixed: float | None, warm_up_s: float):
+        self.fixed = fixed
+        self.warm_up_s = warm_up_s
+        self.slowest = 0.0
+        self._last: float | None = None  # when the last collective completed
+
+    def timeout_s(self) -> float:
+        if self._last is None:
+            return max(self.warm_up_s, self.fixed or FLOOR_S)
+        return self.fixed if self.fixed is not None else max(FLOOR_S, FACTOR * self.slowest)
+
+    def completed(self) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self.slowest = max(self.slowest, now - self._last)
+        self._last = now
+
+    def setting(self) -> str:
+        if self._last is None:
+            return f"the first one after start-up: distributed.consensus_timeout_s: {self.warm_up_s:g} s"
+        if self.fixed is not None:
+            return f"distributed.step_timeout_s: {self.fixed:g} s"
+        return (f"distributed.step_timeout_s: auto = max({FLOOR_S:g} s, {FACTOR:g} x the slowest "
+                f"step seen, {self.slowest:.2f} s)")
+
+
+class Watch:
+    """A Dup of a run-time communicator for the messages of a stall (see the module
+    docstring); ``peers[r]`` names rank r of the communicator."""
+
+    def __init__(self, dup, peers: list[Peer], me: int):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.mpi = dup
+        self.peers = peers
+        self.me = me
+        self.notices: list[object] = []  # what peers posted with notify_all, oldest first
+        _watches.append(self)
+
+    def send_all(self, tag: int, obj: object) -> None:
+        for r in range(len(self.peers)):
+            if r != self.me:
+                _kept.append(self.mpi.isend(obj, dest=r, tag=tag))  # never waited for
+
+    def receive(self, tag: int) -> list:
+        got, status = [], self.MPI.Status()
+        while self.mpi.iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status):
+            got.append(self.mpi.recv(source=status.Get_source(), tag=tag))
+        return got
+
+    def notify_all(self, obj: object) -> None:
+        """Post ``obj`` to every peer (point to point, not waited for); they find it in
+        ``take_notices``."""
+        self.send_all(_NOTICE, obj)
+
+    def take_notices(self) -> list:
+        got = self.notices + self.receive(_NOTICE)
+        self.notices = []
+        return got
+
+    def peek_notices(self) -> list:
+        self.notices += self.receive(_NOTICE)
+        return list(self.notices)
+
+    def close(self) -> None:
+        if self in _watches:
+            _watches.remove(self)
+        if _ended:  # messages may still be under way on it
+            _kept.append(self.mpi)
+        else:
+            self.mpi.Free()
+
+
+def ended() -> KVDistError | None:
+    """The stall or mismatch this process learned of (None: none)."""
+    return _ended[0] if _ended else None
+
+
+def _end(error: KVDistError, origin: Watch | None) -> KVDistError:
+    """Record ``error`` for the process and tell the peers of every watch (a rank that
+    arrives late learns the verdict rather than starting an exchange of its own)."""
+    if not _ended:
+        _ended.append(error)
+        for w in _watches:
+            if w is not origin or isinstance(error, RankStalled):
+                w.send_all(_ENDED, (type(error).__name__, str(error), _detail(error)))
+    return _ended[0]
+
+
+def _detail(error: KVDistError) -> dict:
+    return error.stalled if isinstance(error, RankStalled) else getattr(error, "calls", {})
+
+
+def poll(what: str, since: float) -> None:
+    """Called while waiting in a bounded collective: raise when a peer ended the job or
+    reports a stall (after answering it and hearing the others)."""
+    if _ended:
+        raise _ended[0]
+    for w in list(_watches):
+        for kind, line, detail in w.receive(_ENDED):
+            error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
+            raise _end(error, w)
+        heard = w.receive(_STATUS)
+        if heard:
+            raise _settle(w, what, time.monotonic() - since, {s["rank"]: s for s in heard})
+
+
+def expired(watch: Watch, what: str, waited: float, setting: str) -> KVDistError:
+    """The deadline of ``what`` passed on this rank: the error to raise (every rank of
+    the watch raises its own, naming the same ranks)."""
+    return _settle(watch, what, waited, {}, setting)
+
+
+def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
+            setting: str | None = None) -> KVDistError:
+    """Tell the peers this rank's status, hear theirs for up to GRACE_S, and name the
+    ranks not heard from (``setting``: the bound that passed; a rank answering a peer's
+    report takes the peer's)."""
+    mine = {"rank": w.me, "what": what, "waited": waited, "setting": setting}
+    w.send_all(_STATUS, mine)
+    end = time.monotonic() + GRACE_S
+    everyone = set(range(len(w.peers))) - {w.me}
+    while not everyone <= heard.keys() and time.monotonic() < end:
+        for s in w.receive(_STATUS):
+            heard[s["rank"]] = s
+        for notice in w.receive(_NOTICE):
+            w.notices.append(notice)
+        time.sleep(0.002)
+    missing = sorted(everyone - heard.keys())
+    me = w.peers[w.me].rank
+    if not missing and all(s["what"] == what for s in heard.values()):
+        missing = [w.me]  # every peer waited here before this rank came: it is the late one
+    if missing:
+        # Named by the collective the longest waiter waits in (the first to find it).
+        setting = setting or next((s["setting"] for s in heard.values() if s["setting"]), "")
+        waited, what = max([(waited, what), *((s["waited"], s["what"]) for s in heard.values())])
+        stalled = {w.peers[r].rank: f"{w.peers[r].name()} has not reached {what} for {waited:.0f} s "
+                                    "(stopped? SIGSTOP, a debugger, swapping)" for r in missing}
+        error: KVDistError = RankStalled(f"{'; '.join(stalled.values())}; seen by rank {me} ({setting})",
+                                         stalled)
+    else:
+        calls = {w.peers[r].rank: s["what"] for r, s in heard.items()} | {me: what}
+        odd = "; ".join(f"{w.peers[r].name()} waits in {s['what']}" for r, s in sorted(heard.items())
+                        if s["what"] != what)
+        error = CollectiveMismatch(f"rank {me} waits in {what}, but {odd or 'no rank arrived in time'}: "
+                                   "the ranks called different collectives", calls)
+    return _end(error, w)
+
+
+def keep(obj: object) -> None:
+    """Keep ``obj`` (a request or its buffers) for the rest of the process."""
+    _kept.append(obj)
+
