@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import resource
 import secrets
 import shlex
 import signal
@@ -102,13 +103,16 @@ class Job:
         if len(self.signals) == 1:
             self._grace_end = time.monotonic() + STOP_GRACE_S
             self.proc.send_signal(signum)
-        else:
-            self._kill()
+        else:  # killed by the wait loop, not here: the handler may interrupt it anywhere
+            self._grace_end = 0.0
 
     def _kill(self) -> None:
+        """Kill mpiexec, and let every watcher stop its rank now (not after the wait for
+        mpiexec's output)."""
         if self.proc.poll() is None:
             self.killed = True
             self.proc.kill()
+        self.watch.release()
 
     def wait(self) -> int:
         """Pass mpiexec's output through until it ended (and its pipes closed), with the
@@ -179,6 +183,14 @@ def _environment(a: launch_args.LaunchArgs, mpiexec: str, kind: str) -> dict[str
     return env
 
 
+def _more_descriptors() -> None:
+    """The soft limit of open files raised to the hard one: a connection per rank."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None, checkout: Path | None = None) -> int:
     """kvdist-launch (see args.HELP); returns its exit status."""
     repo = checkout or REPO
@@ -200,6 +212,7 @@ def main(argv: list[str] | None = None, checkout: Path | None = None) -> int:
     env = _environment(a, mpiexec, kind)
     watch = None
     if not a.dry_run:  # where the ranks' watchers report (Open MPI forwards it with -x)
+        _more_descriptors()
         watch = RankWatch(a.np, local=a.hostfile is None, token=secrets.token_hex(16))
         env.update(watch.env())
     cmd = build_command(a.np, a.hostfile, a.ppn, a.module, a.command, mpiexec, kind, python, env)
