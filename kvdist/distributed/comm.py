@@ -282,12 +282,12 @@ class MpiComm:
         if (rows[:, 0] != rows[0, 0]).any():
             names = self._gather_plain(what, "call names", deadline)
             self.broken = what
-            first = self.MPI.COMM_WORLD.Get_rank() - self.rank  # world rank of rank 0, when contiguous
-            calls = {r: n for r, n in enumerate(names)}
+            world = [p.rank for p in self.watch.peers]  # named by world rank
+            calls = {world[r]: n for r, n in enumerate(names)}
             odd = "; ".join(f"rank {r} called {n}" for r, n in calls.items() if n != what)
             raise CollectiveMismatch(
-                f"rank {self.rank} called {what}, but {odd} (ranks of this communicator; world rank = "
-                f"{first} + rank): the ranks called different collectives", calls)
+                f"rank {world[self.rank]} called {what}, but {odd}: the ranks called different collectives",
+                calls)
         return rows
 
     def _gather_plain(self, obj: object, what: str, deadline: float) -> list:

@@ -21,7 +21,7 @@ later bounded collective of the process raises the same error at once."""
 
 from __future__ import annotations
 
-__all__ = ["FACTOR", "FLOOR_S", "GRACE_S", "Pace", "Peer", "Watch", "ended", "expired", "keep", "poll"]
+__all__ = ["FACTOR", "FLOOR_S", "GRACE_S", "Pace", "Peer", "Watch", "ended", "expired", "poll"]
 
 import time
 from dataclasses import dataclass
@@ -206,8 +206,4 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
                                    "the ranks called different collectives", calls)
     return _end(error, w)
 
-
-def keep(obj: object) -> None:
-    """Keep ``obj`` (a request or its buffers) for the rest of the process."""
-    _kept.append(obj)
 
