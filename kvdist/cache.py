@@ -18,10 +18,9 @@ from .distributed.consensus import Committed, InitStatus, InitTiming, establish,
 from .distributed.remote import RemoteTier
 from .distributed.replicas import ReplicaComms, ReplicaLayout
 from .errors import CacheClosedError, ConsistencyError, StepOrderError
-from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES
+from .eviction import DEFAULT_PRIORITY
 from .landing import ManagerSlots
 from .layout import KVLayout
-from .manager import token_array
 from .seams import Seams
 from .transfer import SimulatedCompute
 
@@ -104,17 +103,13 @@ class KVCache:
         tier, blocks only other replicas hold are fetched first (waiting at most
         ``fetch_timeout_ms``) unless ``prefetch`` started them."""
         manager = self._scheduling()
+        plan = manager.plan(seq_id, tokens, priority)  # raises for a bad id, priority or tokens
         remote = self._remote
         if remote is None:
-            return manager.add_sequence(seq_id, tokens, priority)
-        tokens = token_array(tokens)  # once, for the remote tier's hashes and the manager
-        valid = isinstance(priority, int) and not isinstance(priority, bool) and \
-            0 <= priority < NUM_PRIORITIES
-        fits = remote.slots.fits
-        context = remote.before_add(seq_id, tokens,
-                                    lambda hashes: valid and fits(seq_id, len(tokens), hashes))
-        reused = manager.add_sequence(seq_id, tokens, priority, hashes=context[0], hits=remote.local_prefix)
-        remote.after_add(context, reused)
+            return manager.commit(plan)
+        landed = remote.before_add(plan)  # fetches the plan's remote part when it fits
+        reused = manager.commit(manager.refresh(plan))  # planned again if fetching changed the cache
+        remote.after_add(plan.hashes, landed, reused)
         return reused
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:

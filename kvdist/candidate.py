@@ -80,11 +80,10 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
         host = layout.blocks_in(size.nbytes)
     else:
         host = _blocks("cache.host.bytes", c.host.bytes, layout)
-        share = available_memory() // max(local_ranks, 1)
-        if c.host.bytes > share:  # a mistake, like the GPU tier's and the disk's (not USE_NO_HOST)
+        node = available_memory()
+        if c.host.bytes > node:  # no rank could have it: a mistake, like a GPU tier's or disk's too large
             raise ConfigError("cache.host.bytes", c.host.bytes,
-                              f"more than the {share:,} bytes this node has available for each of its "
-                              f"{local_ranks} rank(s)")
+                              f"more than the {node:,} bytes this node has available (MemAvailable)")
     disk = _blocks("cache.disk.bytes", c.disk.bytes, layout) if c.disk.path else 0
     return gpu, host, disk
 

@@ -2,7 +2,8 @@
 the prompt's block hashes as ``add_sequence`` computes them, the local prefix, and
 *landing slots* — free slots of a tier reserved (state LANDING) for blocks fetched
 from another replica, which become ordinary cached blocks once the replica's ranks
-agreed they arrived whole (``land``), or free slots again (``release``).
+agreed they arrived whole (``land``), or free slots again (``release``). Slots change
+through the manager's :class:`~kvdist.block_pool.BlockPool` alone.
 
 Every call changes the manager exactly as the same call does on the replica's other
 TP ranks (they make the same calls in the same order), so their states stay equal."""
@@ -13,10 +14,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .blocks import CACHED, FREE, GPU, HOST, LANDING, NO_SLOT
+from .blocks import CACHED, GPU, HOST, LANDING, NO_SLOT
 from .eviction import DEFAULT_PRIORITY
 from .manager import CacheManager, token_array
-from .prefix import MASK64
+
+__all__ = ["GPU", "HOST", "ManagerSlots"]
 
 
 class ManagerSlots:
@@ -42,16 +44,6 @@ class ManagerSlots:
         """Per global slot: whether it holds a cached block."""
         return self.m.meta.state[slots] == CACHED
 
-    def fits(self, seq_id, n_tokens: int, hashes: list[int]) -> bool:
-        """Whether ``add_sequence`` of a new ``seq_id`` of ``n_tokens`` (block hashes
-        ``hashes``) would find its GPU blocks, as the cache is now."""
-        m = self.m
-        if seq_id in m.seqs:
-            return False
-        hits = m.index.match(hashes) if m.enable_reuse else []
-        _, need, available = m.gpu_budget(hits, -(-n_tokens // self.tokens_per_block))
-        return need <= available
-
     def cached_prefix(self, hashes: list[int]) -> list[int]:
         """The slots of the leading ``hashes`` this rank holds in any tier (what
         ``add_sequence`` would reuse, as the cache is now)."""
@@ -66,45 +58,27 @@ class ManagerSlots:
     def reserve(self, tier: int, n: int) -> list[int]:
         """Up to ``n`` slots of ``tier`` in state LANDING, evicting its coldest blocks as
         needed (the cascade's copies are queued); fewer when the tier runs out."""
-        m = self.m
-        if not m.has_tier(tier):
+        if not self.m.has_tier(tier):
             return []
+        pool = self.m.pool
         out = []
         for _ in range(n):
-            s = m._take_slot(tier)
+            s = pool.reserve(tier)
             if s == NO_SLOT:
                 break
-            m.meta.state_mv[s] = LANDING
-            m.meta.prio_mv[s] = DEFAULT_PRIORITY
             out.append(s)
-        m._submit_moves()
+        pool.submit_moves()
         return out
 
     def land(self, slot: int, h: int, priority: int = DEFAULT_PRIORITY) -> bool:
         """The fetched block of hash ``h`` in landing ``slot`` is whole and agreed: it
         becomes a cached block (most recently used). False when the hash is cached
         meanwhile (computed here): the slot is released instead."""
-        m, meta = self.m, self.m.meta
-        assert meta.state_mv[slot] == LANDING, f"slot {slot} is not a landing slot"
-        meta.hi_mv[slot] = h >> 64
-        meta.lo_mv[slot] = h & MASK64
-        if not m.index.insert(slot):
-            self.release(slot)
-            return False
-        meta.state_mv[slot] = CACHED
-        meta.prio_mv[slot] = priority
-        tier = m.space.tier_of(slot)
-        m.lru[tier].push(slot)
-        if tier == HOST and m.host_observer is not None:
-            m.host_observer.host_filled(slot)
-        return True
+        return self.m.pool.land(slot, h, priority)
 
     def release(self, slot: int) -> None:
         """Return landing ``slot`` to its tier's free slots."""
-        meta = self.m.meta
-        assert meta.state_mv[slot] == LANDING, f"slot {slot} is not a landing slot"
-        meta.state_mv[slot] = FREE
-        self.m.free[self.m.space.tier_of(slot)].push(slot)
+        self.m.pool.release(slot)
 
     def landing_slots(self) -> np.ndarray:
         """Every slot in state LANDING (O(slots); for invariant checks)."""
@@ -125,5 +99,3 @@ class ManagerSlots:
     def tier_base(self, tier: int) -> int:
         return self.m.space.base[tier]
 
-
-__all__ = ["GPU", "HOST", "ManagerSlots"]

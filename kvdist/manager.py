@@ -1,4 +1,8 @@
-"""The single-rank cache: sequences, prefix reuse, the eviction cascade, steps.
+"""The single-rank cache: sequences, admission, prefix reuse, steps. Every change to a
+slot (free lists, eviction lists, reference counts, the eviction cascade and its moves)
+goes through the :class:`~kvdist.block_pool.BlockPool`; admission is a plan
+(``plan``: an :class:`~kvdist.admission_plan.AdmissionPlan`, nothing changed), then
+``commit`` (nano-vllm's ``can_allocate`` -> ``allocate``).
 
 Invariants (``check_invariants`` verifies them):
 
@@ -19,26 +23,15 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
 from . import manager_checks
-from .blocks import (
-    CACHED,
-    DISK,
-    FREE,
-    GPU,
-    HOST,
-    NO_SLOT,
-    TIER_NAMES,
-    BlockMeta,
-    FreeQueue,
-    FreeStack,
-    SlotSpace,
-)
-from .cascade import EvictionCascade, HostObserver
+from .admission_plan import AdmissionPlan
+from .block_pool import BlockPool, HostObserver
+from .blocks import DISK, GPU, HOST, TIER_NAMES, BlockMeta, SlotSpace
+from .counters import CacheCounters
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .layout import KVLayout
@@ -47,21 +40,11 @@ from .recompute_policy import RecomputePolicy
 from .sequences import Sequence, token_array
 from .staging import TableRows
 from .staging.rows import DEFAULT_ROWS
-from .transfer import (
-    DEMOTE,
-    PROMOTE,
-    RELOAD,
-    ROUTE_NAMES,
-    SPILL,
-    EngineSeams,
-    Executor,
-    Route,
-    TransferEngine,
-    route,
-)
+from .transfer import DEMOTE, RELOAD, SPILL, EngineSeams, Executor, TransferEngine, route
 from .transfer.bounce import bounce_blocks
 
-__all__ = ["DEMOTE_BATCH_BYTES", "CacheCounters", "CacheManager", "HostObserver", "Sequence", "token_array"]
+__all__ = ["DEMOTE_BATCH_BYTES", "AdmissionPlan", "CacheCounters", "CacheManager", "HostObserver",
+           "Sequence", "token_array"]
 
 # Bytes of one batch of disk writes (demotions): a later copy into one of its source host
 # slots waits for its whole batch, so the engine cuts demotions into batches of about this
@@ -69,18 +52,9 @@ __all__ = ["DEMOTE_BATCH_BYTES", "CacheCounters", "CacheManager", "HostObserver"
 DEMOTE_BATCH_BYTES = 32 << 20
 
 
-@dataclass(slots=True)
-class CacheCounters:
-    hit_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
-    prompt_tokens: int = 0
-    blocks_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_NAMES, 0))
-    evictions: list[int] = field(default_factory=lambda: [0, 0, 0])
-    dropped: int = 0
-    steps: int = 0
-
-
-class CacheManager(EvictionCascade):
-    """Block bookkeeping of one rank over up to three tiers; copies go through a
+class CacheManager:
+    """Block bookkeeping of one rank over up to three tiers: sequences and admission
+    here, slots in a :class:`~kvdist.block_pool.BlockPool`; copies go through a
     :class:`~kvdist.transfer.TransferEngine` bound to ``executor``."""
 
     def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor: Executor, *,
@@ -93,12 +67,6 @@ class CacheManager(EvictionCascade):
         self.layered = executor.layered  # S5 per layer (kv_pool) rather than at block_table
         self.space = SlotSpace(capacity)
         self.meta = BlockMeta(self.space.total)
-        # The host tier reuses its oldest free slot first when disk writes may still be
-        # reading the newest (FreeQueue); elsewhere the last freed slot goes first.
-        kinds = (FreeStack, FreeQueue if capacity[DISK] else FreeStack, FreeStack)
-        self.free = [kinds[t](self.space.base[t], capacity[t]) if capacity[t] else None
-                     for t in (GPU, HOST, DISK)]
-        self.lru = [PriorityLRU(self.meta) for _ in (GPU, HOST, DISK)]
         self.index = PrefixIndex(self.space.total, self.meta)
         bpb = layout.bytes_per_block
         limits = {DEMOTE: max(1, DEMOTE_BATCH_BYTES // bpb),  # see DEMOTE_BATCH_BYTES
@@ -106,26 +74,19 @@ class CacheManager(EvictionCascade):
         self.engine = TransferEngine(self.space, executor, seams=engine_seams or EngineSeams(),
                                      block_id=self._block_id, batch_limits=limits)
         self.enable_reuse = enable_reuse
-        self.offload_min_priority = offload_min_priority
         self.demote_ahead = demote_ahead if capacity[HOST] and capacity[DISK] else 0
         self.salt = layout.hash_salt()
         self.policy = RecomputePolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
+        self.counters = CacheCounters()
+        self.pool = BlockPool(self.space, self.meta, self.index, self.engine, self.policy,
+                              self.counters, offload_min_priority)
         self.seqs: dict[Hashable, Sequence] = {}
         self.host_table = TableRows(rows=table_rows)  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
         self._deferred_release: list[Sequence] = []
-        self.counters = CacheCounters()
-        self.transfer_seconds = 0.0
+        self._epoch = 0  # end_steps (with the pool's generation: see generation)
+        self._transfer_seconds = 0.0
         self.bookkeeping_seconds = 0.0
-        # Tier order for eviction: where a block evicted from tier t may go.
-        self._colder = {GPU: [route(GPU, t) for t in (HOST, DISK) if capacity[t]],
-                        HOST: [route(HOST, DISK)] if capacity[DISK] else [], DISK: []}
-        # The copies of one cascade, handed to the engine together at its end (in order,
-        # one call per run of one route).
-        self._moves: tuple[list[int], list[int], list[Route]] = ([], [], [])  # src, dst, route
-        # Told when a host slot gets or loses its block (the remote tier's stamps and
-        # directory); None when nobody listens.
-        self.host_observer: HostObserver | None = None
 
     # -- helpers ----------------------------------------------------------------------------
     def _block_id(self, slot: int) -> tuple[int, int]:
@@ -134,8 +95,37 @@ class CacheManager(EvictionCascade):
     def has_tier(self, tier: int) -> bool:
         return self.space.capacity[tier] > 0
 
-    def _available_gpu(self) -> int:
-        return len(self.free[GPU]) + len(self.lru[GPU])
+    @property
+    def free(self) -> list:
+        """Each tier's free list (the pool's; read-only here)."""
+        return self.pool.free
+
+    @property
+    def lru(self) -> list[PriorityLRU]:
+        """Each tier's eviction list (the pool's; read-only here)."""
+        return self.pool.lru
+
+    @property
+    def host_observer(self) -> HostObserver | None:
+        """Told when a host slot gets or loses its block (the remote tier's stamps and
+        directory); None when nobody listens."""
+        return self.pool.host_observer
+
+    @host_observer.setter
+    def host_observer(self, observer: HostObserver | None) -> None:
+        self.pool.host_observer = observer
+
+    @property
+    def transfer_seconds(self) -> float:
+        """Time handing copies to the engine and running its step-boundary work."""
+        return self._transfer_seconds + self.pool.transfer_seconds
+
+    @property
+    def generation(self) -> int:
+        """Grows with every change an admission plan depends on: the pool's slots and
+        reference counts (``BlockPool.generation``) and, at end_step, the recompute policy's
+        figures."""
+        return self._epoch + self.pool.generation
 
     def block_hashes(self, tok: array) -> list[int]:
         """The chained hashes of the full blocks of the int32 token ids ``tok``."""
@@ -146,32 +136,36 @@ class CacheManager(EvictionCascade):
         gpu_end, tier_of = self.space.base[HOST], self.space.tier_of
         return [GPU if s < gpu_end else tier_of(s) for s in slots]
 
-    def gpu_budget(self, hits: list[int], n_blocks: int) -> tuple[int, int, int]:
-        """For a prompt of ``n_blocks`` whose cached prefix is in slots ``hits``: (hits
-        on the GPU, fresh GPU blocks it needs, GPU blocks that can be had for it)."""
-        gpu_end, ref = self.space.base[HOST], self.meta.ref_mv
-        on_gpu = pinned_gpu = 0
-        for s in hits:
-            if s < gpu_end:
-                on_gpu += 1
-                pinned_gpu += ref[s] == 0
-        return on_gpu, n_blocks - on_gpu, self._available_gpu() - pinned_gpu
+    def _reusable_prefix(self, hashes: list[int], n_tokens: int) -> tuple[list[int], list[int] | None, int]:
+        """(the slots of the cached prefix worth reusing: the recompute policy's cut; the
+        tier of each matched block, None when all are on the GPU; blocks matched)
+        for a prompt of ``n_tokens`` whose full blocks hash to ``hashes``."""
+        hits = self.index.match(hashes[: max(n_tokens - 1, 0) // self.tpb]) if hashes else []
+        gpu_end = self.space.base[HOST]
+        if all(s < gpu_end for s in hits):
+            return hits, None, len(hits)
+        tiers = self._tiers_of(hits)
+        return hits[: self.policy.cut(tiers)], tiers, len(hits)
 
     # -- the step API ----------------------------------------------------------------------------
     def begin_step(self) -> None:
         t0 = time.perf_counter()
         self.engine.begin_step()
-        self.transfer_seconds += time.perf_counter() - t0
+        self._transfer_seconds += time.perf_counter() - t0
 
-    def add_sequence(self, seq_id: Hashable, tokens: Iterable[int],
-                     priority: int = DEFAULT_PRIORITY, hashes: list[int] | None = None,
-                     hits: list[int] | None = None) -> int:
+    def add_sequence(self, seq_id: Hashable, tokens: Iterable[int], priority: int = DEFAULT_PRIORITY) -> int:
         """Admit a prompt: reuse its longest cached prefix of whole blocks from any tier
         (leaving at least one token to compute), allocate GPU blocks for the rest.
-        Returns the number of prompt tokens reused. ``hashes``: the hashes of its full
-        blocks (``block_hashes``), when the caller computed them already; ``hits``: the
-        slots of their reusable prefix, when the caller matched them already (and the
-        cache did not change since)."""
+        Returns the number of prompt tokens reused. ``plan`` then ``commit``."""
+        return self.commit(self.plan(seq_id, tokens, priority))
+
+    # -- admission: plan, then commit ---------------------------------------------------------------
+    def plan(self, seq_id: Hashable, tokens: Iterable[int],
+             priority: int = DEFAULT_PRIORITY) -> AdmissionPlan:
+        """What admitting the prompt would do now (changes nothing): its block hashes,
+        the cached prefix worth reusing (the recompute policy's cut), the GPU slots it needs
+        and can have. Raises ValueError for a sequence already admitted, a priority
+        outside 0..100 or no tokens."""
         t0 = time.perf_counter()
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
@@ -179,77 +173,90 @@ class CacheManager(EvictionCascade):
                 not 0 <= priority < NUM_PRIORITIES:
             raise ValueError(f"priority must be an int in 0..{NUM_PRIORITIES - 1}, got {priority!r}")
         tok = token_array(tokens)
-        n = len(tok)
-        if n == 0:
+        if not tok:
             raise ValueError(f"sequence {seq_id!r} has no tokens")
-        tpb, meta, space = self.tpb, self.meta, self.space
-        n_blocks = -(-n // tpb)
-        matched, hits = hits, []
-        if self.enable_reuse:
-            # Every full block's hash at once: the leading ones find the reusable prefix,
-            # the rest go into their fresh slots' meta now and into the index at end_step.
-            if hashes is None:
-                hashes = self.block_hashes(tok)
-            assert len(hashes) == n // tpb, f"{len(hashes)} hashes for {n // tpb} full blocks"
-            hits = self.index.match(hashes[: (n - 1) // tpb]) if matched is None else matched
-        else:
-            hashes = []
-        gpu_end = space.base[HOST]
-        on_gpu = sum(s < gpu_end for s in hits)
-        cold: list[int] | None = None  # the hits' tiers, when some are not on the GPU
-        if on_gpu < len(hits):
-            cold = self._tiers_of(hits)
-            hits = hits[: self.policy.cut(cold)]  # onboard or recompute
-        on_gpu, need, available = self.gpu_budget(hits, n_blocks)
-        if need > available:
-            raise OutOfBlocksError(need, available, f"sequence {seq_id!r} ({n} tokens)")
-        if cold is not None:
-            self.policy.record(cold, len(hits))
-        ref, prio = meta.ref_mv, meta.prio_mv
-        lru_gpu = self.lru[GPU]
-        # Pin every hit first, so the cascade below cannot evict them.
+        # Every full block's hash at once: the leading ones find the reusable prefix, the
+        # rest go into their fresh slots' meta at commit and into the index at end_step.
+        hashes = self.block_hashes(tok) if self.enable_reuse else []
+        plan = self._plan(seq_id, tok, priority, hashes)
+        self.bookkeeping_seconds += time.perf_counter() - t0
+        return plan
+
+    def refresh(self, plan: AdmissionPlan) -> AdmissionPlan:
+        """``plan`` if it is still current, else its prompt planned again against the
+        cache as it is now (its hashes kept)."""
+        if plan.generation == self.generation:
+            return plan
+        t0 = time.perf_counter()
+        out = self._plan(plan.seq_id, plan.tokens, plan.priority, plan.hashes)
+        self.bookkeeping_seconds += time.perf_counter() - t0
+        return out
+
+    def _plan(self, seq_id: Hashable, tok: array, priority: int, hashes: list[int]) -> AdmissionPlan:
+        n = len(tok)
+        hits, tiers, matched = self._reusable_prefix(hashes, n)
+        gpu_end, ref = self.space.base[HOST], self.meta.ref_mv
+        on_gpu = pinned = 0  # GPU hits, and those of them counted as evictable now
         for s in hits:
             if s < gpu_end:
-                if ref[s] == 0:
-                    lru_gpu.remove(s)
-                ref[s] += 1
-                if prio[s] < priority:
-                    prio[s] = priority
-            else:
-                self.lru[space.tier_of(s)].remove(s)
-        fresh = self._alloc_gpu(need, priority)
-        hit_tokens = self.counters.hit_tokens
-        hit_tokens[GPU] += on_gpu * tpb
-        if on_gpu == len(hits):
-            slots = hits + fresh
-        else:  # onboard the host and disk hits into fresh GPU slots, in prompt order
-            slots, k = [], 0
-            for s in hits:
-                if s >= gpu_end:
-                    tier = space.tier_of(s)
-                    hit_tokens[tier] += tpb
-                    g = fresh[k]
-                    k += 1
-                    self._move(s, g, route(tier, GPU))
-                    ref[g] = 1
-                    if prio[g] < priority:
-                        prio[g] = priority
-                    s = g
-                slots.append(s)
-            self._submit_moves()
-            slots.extend(fresh[k:])
-        hi, lo = meta.hi_mv, meta.lo_mv
+                on_gpu += 1
+                pinned += ref[s] == 0
+        return AdmissionPlan(seq_id, tok, priority, hashes, max(n - 1, 0) // self.tpb if hashes else 0,
+                             matched, hits, tiers, on_gpu, -(-n // self.tpb) - on_gpu,
+                             self.pool.available(GPU) - pinned, self.generation)
+
+    def commit(self, plan: AdmissionPlan) -> int:
+        """Admit ``plan``'s prompt as planned: pin its hits, take fresh GPU slots (the
+        cascade evicting), onboard its host and disk hits. Returns the prompt tokens
+        reused. Raises OutOfBlocksError (nothing changed) when it does not ``fit``. The
+        plan must be current (``generation``): ``refresh`` one the cache moved past."""
+        assert plan.generation == self.generation, \
+            f"the plan of sequence {plan.seq_id!r} is stale: the cache changed since (refresh it)"
+        t0 = time.perf_counter()
+        if not plan.fits:
+            raise OutOfBlocksError(plan.need, plan.available,
+                                   f"sequence {plan.seq_id!r} ({len(plan.tokens)} tokens)")
+        hits, priority, tpb = plan.hits, plan.priority, self.tpb
+        if plan.hit_tiers is not None:
+            self.policy.record(plan.hit_tiers, len(hits))
+        pool = self.pool
+        pool.pin(hits, priority)  # first, so the cascade below cannot evict them
+        fresh = pool.allocate(plan.need, priority)
+        self.counters.hit_tokens[GPU] += plan.on_gpu * tpb
+        slots = hits + fresh if plan.on_gpu == len(hits) else self._onboard(hits, fresh, priority)
+        hashes = plan.hashes
+        hi, lo = self.meta.hi_mv, self.meta.lo_mv
         for i in range(len(hits), len(hashes)):
             h, s = hashes[i], slots[i]
             hi[s] = h >> 64
             lo[s] = h & MASK64
         parent = digest_bytes(hashes[-1]) if hashes else self.salt
-        seq = Sequence(seq_id, tok, slots, priority, len(hashes), parent, len(hits))
-        self.seqs[seq_id] = seq
-        self._dirty[seq_id] = seq
-        self.counters.prompt_tokens += n
+        seq = Sequence(plan.seq_id, plan.tokens, slots, priority, len(hashes), parent, len(hits))
+        self.seqs[seq.seq_id] = self._dirty[seq.seq_id] = seq
+        self.counters.prompt_tokens += len(plan.tokens)
         self.bookkeeping_seconds += time.perf_counter() - t0
         return len(hits) * tpb
+
+    def _onboard(self, hits: list[int], fresh: list[int], priority: int) -> list[int]:
+        """The prompt's slots: GPU hits as they are, host and disk hits moved into the
+        first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
+        gpu_end, tier_of, tpb = self.space.base[HOST], self.space.tier_of, self.tpb
+        prio, hit_tokens, move = self.meta.prio_mv, self.counters.hit_tokens, self.pool.move
+        slots, k = [], 0
+        for s in hits:
+            if s >= gpu_end:
+                tier = tier_of(s)
+                hit_tokens[tier] += tpb
+                g = fresh[k]
+                k += 1
+                move(s, g, route(tier, GPU))  # g keeps the reference allocate gave it
+                if prio[g] < priority:
+                    prio[g] = priority
+                s = g
+            slots.append(s)
+        self.pool.submit_moves()
+        slots.extend(fresh[k:])
+        return slots
 
     def prefetch(self, tokens: Iterable[int]) -> int:
         """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``
@@ -263,30 +270,10 @@ class CacheManager(EvictionCascade):
             return 0
         t0 = time.perf_counter()
         tok = token_array(tokens)
-        n = len(tok)
-        hits = self.index.match(self.block_hashes(tok)[: (n - 1) // self.tpb]) if n else []
-        tiers = self._tiers_of(hits)
-        if DISK not in tiers:
+        hits, tiers, _ = self._reusable_prefix(self.block_hashes(tok), len(tok))
+        if tiers is None or DISK not in tiers:
             return 0
-        k = self.policy.cut(tiers)
-        cold = [(s, t) for s, t in zip(hits[:k], tiers[:k]) if t != GPU]
-        for s, t in cold:  # out of reach of the cascade below
-            self.lru[t].remove(s)
-        promoted, placed = 0, []
-        for s, t in cold:
-            if t == DISK:
-                h = self._take_slot(HOST)
-                if h == NO_SLOT:  # every host block is in this prefix: leave the rest on disk
-                    placed.append((s, t))
-                    continue
-                self._move(s, h, PROMOTE)
-                promoted += 1
-                s = h
-                t = HOST
-            placed.append((s, t))
-        for s, t in reversed(placed):  # last block first: the prefix's tail leaves first
-            self.lru[t].push(s)
-        self._submit_moves()
+        promoted = self.pool.promote([(s, t) for s, t in zip(hits, tiers) if t != GPU])
         self.bookkeeping_seconds += time.perf_counter() - t0
         return promoted
 
@@ -297,10 +284,10 @@ class CacheManager(EvictionCascade):
         tok = token_array(tokens)  # the whole input first: a bad id changes nothing
         need = -(-(len(seq.tokens) + len(tok)) // self.tpb) - len(seq.slots)
         if need > 0:
-            available = self._available_gpu()
+            available = self.pool.available(GPU)
             if need > available:
                 raise OutOfBlocksError(need, available, f"appending to sequence {seq_id!r}")
-            seq.slots.extend(self._alloc_gpu(need, seq.priority))
+            seq.slots.extend(self.pool.allocate(need, seq.priority))
         seq.tokens.extend(tok)
         self._dirty[seq_id] = seq
         self.bookkeeping_seconds += time.perf_counter() - t0
@@ -319,7 +306,7 @@ class CacheManager(EvictionCascade):
         in ``before_layer``, when copies go by layer group)."""
         t0 = time.perf_counter()
         self.engine.before_compute(layered=self.layered)
-        self.transfer_seconds += time.perf_counter() - t0
+        self._transfer_seconds += time.perf_counter() - t0
 
     def before_layer(self, layer: int) -> None:
         """S5 for one layer: compute waits for the copies of that layer's group."""
@@ -329,42 +316,40 @@ class CacheManager(EvictionCascade):
     def end_step(self) -> None:
         """Blocks filled in this step enter the prefix index; deferred releases run."""
         t0 = time.perf_counter()
+        self._epoch += 1  # plans do not outlive a step: the recompute policy's figures change here
         if self.enable_reuse:
             tpb = self.tpb
             for seq in chain(self._dirty.values(), self._deferred_release):
                 if len(seq.tokens) // tpb > seq.num_indexed:
                     self._register_full_blocks(seq)
         self._dirty.clear()
+        pool = self.pool
         for seq in self._deferred_release:
-            self._free_blocks(seq)
+            pool.unpin(seq.slots)
         self._deferred_release.clear()
         for copied, nbytes, seconds in self.engine.executor.take_timings():  # onboards, reloads
             self.policy.observe_copy(copied.src, nbytes, seconds)
-        if len(self.free[HOST] or ()) < self.demote_ahead and self.policy.worth_storing(DISK):
+        if pool.free_count(HOST) < self.demote_ahead and self.policy.worth_storing(DISK):
             # Writes start now and run during the next forward pass, so the next
             # step's offloads land in host slots no disk write is still reading.
-            self._make_free(HOST, self.demote_ahead)
+            pool.make_free(HOST, self.demote_ahead)
             self.engine.flush()
         self.counters.steps += 1
         self.bookkeeping_seconds += time.perf_counter() - t0
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = len(seq.tokens) // self.tpb
-        meta, slots = self.meta, seq.slots
+        slots = seq.slots
         if full > seq.num_hashed:  # blocks filled by decode: hash them now
             hashes = chain_hashes(seq.parent, memoryview(seq.tokens).cast("B"), seq.num_hashed,
                                   full - seq.num_hashed, self.tpb)
-            hi, lo = meta.hi_mv, meta.lo_mv
+            hi, lo = self.meta.hi_mv, self.meta.lo_mv
             for h, s in zip(hashes, slots[seq.num_hashed : full]):
                 hi[s] = h >> 64
                 lo[s] = h & MASK64
             seq.num_hashed = full
             seq.parent = digest_bytes(hashes[-1])
-        insert, state = self.index.insert, meta.state_mv
-        for s in slots[seq.num_indexed : full]:
-            if insert(s):
-                state[s] = CACHED
-            # else: another slot already holds this block; this copy stays private.
+        self.pool.register(slots[seq.num_indexed : full])
         seq.num_indexed = full
 
     def release(self, seq_id: Hashable) -> None:
@@ -377,24 +362,7 @@ class CacheManager(EvictionCascade):
             # the same id can be added again in this step.
             self._deferred_release.append(seq)
         else:
-            self._free_blocks(seq)
-
-    def _free_blocks(self, seq: Sequence) -> None:
-        meta = self.meta
-        ref, state, free_push = meta.ref_mv, meta.state_mv, self.free[GPU].push
-        unreferenced: list[int] = []
-        # Last block first: the tail of a prefix becomes the older entry, so it is
-        # evicted before the blocks it depends on.
-        for s in reversed(seq.slots):
-            r = ref[s] - 1
-            ref[s] = r
-            if r == 0:
-                if state[s] == CACHED:
-                    unreferenced.append(s)
-                else:
-                    state[s] = FREE
-                    free_push(s)
-        self.lru[GPU].push_run(unreferenced)
+            self.pool.unpin(seq.slots)
 
     def _get(self, seq_id: Hashable) -> Sequence:
         try:
@@ -405,7 +373,7 @@ class CacheManager(EvictionCascade):
     def synchronize(self) -> None:
         t0 = time.perf_counter()
         self.engine.synchronize()
-        self.transfer_seconds += time.perf_counter() - t0
+        self._transfer_seconds += time.perf_counter() - t0
 
     # -- observability ---------------------------------------------------------------------------
     def tier_names(self) -> tuple[str, ...]:
@@ -413,21 +381,27 @@ class CacheManager(EvictionCascade):
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """{tier: (used, free)} blocks."""
-        return {TIER_NAMES[t]: (self.space.capacity[t] - len(self.free[t]), len(self.free[t]))
+        free = self.pool.free_count
+        return {TIER_NAMES[t]: (self.space.capacity[t] - free(t), free(t))
                 for t in (GPU, HOST, DISK) if self.has_tier(t)}
 
     def metadata_bytes(self) -> int:
-        """Bytes of the per-slot arrays: block metadata, prefix index, free stacks and
+        """Bytes of the per-slot arrays: block metadata, prefix index, free lists and
         the transfer engine's per-slot tracking."""
-        stacks = sum(f.nbytes for f in self.free if f is not None)
-        return self.meta.nbytes + self.index.nbytes + stacks + self.engine.nbytes
+        return self.meta.nbytes + self.index.nbytes + self.pool.nbytes + self.engine.nbytes
+
+    def _checked(self) -> manager_checks.ManagerState:
+        return manager_checks.ManagerState(self.meta, self.space, self.index, self.pool.snapshot(),
+                                           self.tpb, self.seqs, list(self._dirty), self._deferred_release)
 
     def state_digest(self) -> bytes:
         """xxh3-128 of the state that decides this cache's future behaviour (see
         :func:`~kvdist.manager_checks.state_digest`)."""
-        return manager_checks.state_digest(self)
+        return manager_checks.state_digest(self._checked())
 
     def check_invariants(self) -> None:
-        """Verify the invariants of the module docstring and the transfer engine's (O(total slots))."""
-        manager_checks.check_invariants(self)
+        """Verify the invariants of the module docstring, the pool's and the transfer
+        engine's (O(total slots))."""
+        self.pool.check_invariants()
+        manager_checks.check_invariants(self._checked())
         self.engine.check_invariants()

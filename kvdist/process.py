@@ -36,7 +36,7 @@ def announce_to_launcher() -> None:
     (the survivors are killed right after, mid-sentence, and mpiexec's banner may
     name one of them). Nothing happens, and nothing fails, without the launcher."""
     addr, token, rank = os.environ.get(LAUNCH_ADDR_ENV), os.environ.get(LAUNCH_TOKEN_ENV), launcher_rank()
-    if not addr or not token or rank is None:
+    if not addr or not token or rank is None or _watchers:  # one watcher a process, however many runs
         return
     import subprocess
 

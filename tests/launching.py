@@ -22,14 +22,15 @@ TINY = {
     "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
     "cache": {"tokens_per_block": 16, "device": "cpu", "gpu": {"blocks": 64}, "host": {"bytes": "256KiB"}},
     "distributed": {"consensus_timeout_s": 20},
-    "workload": {"requests": 100_000, "conversations": 8, "system_prompt_tokens": 64, "turns": [1, 4],
+    "workload": {"requests": 20_000, "conversations": 8, "system_prompt_tokens": 64, "turns": [1, 4],
                  "user_tokens": [8, 32], "output_tokens": [2, 8], "arrival_rate": 2.0, "max_batch": 8,
                  "hidden": 16, "verify_logits_every": 0},
 }
 
 
 def tiny_config(tmp_path: Path, disk_dir: Path | None = None, **sections) -> Path:
-    """A config that starts in a second and runs (far) longer than any test waits."""
+    """A config that starts in a second and runs (far) longer than any test waits; its
+    trace (about 1 KB a request) fits the test bed's 32 MiB a rank, which the run checks."""
     cfg = {k: dict(v) for k, v in TINY.items()}
     if disk_dir is not None:
         cfg["cache"]["disk"] = {"path": str(disk_dir), "bytes": "1MiB"}

@@ -90,12 +90,18 @@ class Watchers:
             self.watch.poll(0.01, lambda key: None)
 
 
-def closed(s: socket.socket, within_s: float = 2.0) -> bool:
+def closed(s: socket.socket, within_s: float = 2.0, said: bytes | None = wire.REFUSED) -> bool:
+    """Whether the server closed ``s`` within ``within_s``, having said ``said`` first
+    (None: whatever; a reset may lose it)."""
     s.settimeout(within_s)
+    got = b""
     try:
-        return s.recv(1) == b""
+        while chunk := s.recv(64):
+            got += chunk
     except ConnectionResetError:
-        return True
+        pass
+    assert said is None or got == said, got
+    return True
 
 
 def test_bad_lines_are_counted_and_ignored_never_a_crash():
@@ -112,14 +118,15 @@ def test_bad_lines_are_counted_and_ignored_never_a_crash():
         w.pump()
         assert w.watch.ranks == {2: ("vm", 1), 3: ("vm", 2)}
         assert w.watch.ended == [2, 3] and w.watch.status == {}
-        assert all(closed(s) for s in (b, d, e, f, g))
+        assert all(closed(s) for s in (b, d, f, g)) and closed(e, said=None)
         assert w.watch.bad_lines == 7
         # the watchers whose status was garbage can still say it; a second hello for a rank is refused
         a.sendall(wire.status(9))
         c.sendall(wire.status(None))
         h = w.connect(wire.hello(TOKEN, 2, "vm", 9))
         w.pump()
-        assert w.watch.status == {2: 9, 3: None} and closed(a) and closed(c) and closed(h)
+        assert w.watch.status == {2: 9, 3: None}
+        assert closed(a, said=b"") and closed(c, said=b"") and closed(h)
         assert w.watch.bad_lines == 8
         assert w.watch.verdict() == "rank 2 (pid 1 on vm) was killed by SIGKILL"
     finally:

@@ -43,6 +43,14 @@ def watchers(launcher: int) -> list[int]:
     return [p for p in descendants(launcher) if b"rank_watcher" in _cmdline(p)]
 
 
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -59,7 +67,7 @@ def end_and_check(proc, holder: int, sig: int) -> None:
     deadline = time.monotonic() + WITHIN_S
     os.kill(proc.pid, sig)
     gone = wait_for(lambda: not alive(job), WITHIN_S)
-    assert gone, [_cmdline(p)[:100] for p in alive(job)]
+    assert gone, [(_cmdline(p).split(b"\0")[:4], _state(p)) for p in alive(job)]
     clean = wait_for(lambda: not private_files(holder), max(0.0, deadline - time.monotonic()))
     assert clean, private_files(holder)
 

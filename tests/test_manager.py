@@ -356,3 +356,102 @@ def test_demotions_are_written_in_batches_of_bounded_bytes(cfg_factory, monkeypa
         assert d.drv.mismatched_tokens == 0
     finally:
         cache.close()
+
+
+# -- admission: plan, then commit ----------------------------------------------------------------
+def _cascade_setup(make):
+    """test_cascade_gpu_host_disk_exact up to s4: T(0)'s block 0 on host, block 1 on disk."""
+    cache, d = make(gpu=3, host=2, disk=2)
+    for name, start in (("s1", 0), ("s2", 100), ("s3", 200)):
+        d.step(name, T(start))
+    return cache, d
+
+
+def test_a_plan_changes_nothing_and_its_commit_does_what_it_says(make):
+    cache, d = _cascade_setup(make)
+    m = d.m
+    d.begin()
+    before, generation = m.state_digest(), m.generation
+    plan = m.plan("s4", T(0) + [99])
+    assert m.state_digest() == before and m.generation == generation
+    assert (len(plan.hashes), plan.reusable, plan.matched, plan.hits_per_tier()) == (2, 2, 2, (0, 1, 1))
+    assert (plan.on_gpu, plan.need, plan.available, plan.fits, plan.remote_hashes) == (0, 3, 3, True, [])
+    assert m.commit(plan) == 8 and m.seqs["s4"].slots == [2, 0, 1]
+    cache.check_invariants()
+    assert cache.stats()["hit_tokens"] == {"gpu": 0, "host": 4, "disk": 4}
+    d.end()
+
+
+def test_a_plan_that_does_not_fit_raises_at_commit_and_changes_nothing(make):
+    cache, d = make(gpu=2)
+    d.step("a", T(0, 5), release=False)
+    d.begin()
+    plan = d.m.plan("b", T(50, 5))
+    assert (plan.need, plan.available, plan.fits) == (2, 0, False)
+    before = d.m.state_digest()
+    with pytest.raises(kvdist.OutOfBlocksError, match="needs 2 GPU blocks but only 0"):
+        d.m.commit(plan)
+    assert d.m.state_digest() == before
+    cache.check_invariants()
+    d.end()
+
+
+def test_a_stale_plan_is_refused_and_refresh_plans_it_again(make):
+    cache, d = make(gpu=4)
+    m = d.m
+    d.step("a", T(0, 9))  # blocks 0, 1 cached and evictable; 2, 3 free
+    d.begin()
+    plan = m.plan("b", T(0, 9))
+    assert (plan.hits, plan.need, plan.available) == ([0, 1], 1, 2)
+    assert m.refresh(plan) is plan
+    assert d.add("c", T(0, 5)) == 4  # pins block 0, takes a free slot
+    before = m.state_digest()
+    with pytest.raises(AssertionError, match="plan of sequence 'b' is stale"):
+        m.commit(plan)
+    assert m.state_digest() == before
+    fresh = m.refresh(plan)
+    assert fresh is not plan and fresh.hashes is plan.hashes
+    assert (fresh.hits, fresh.need, fresh.available) == ([0, 1], 1, 1)
+    assert m.commit(fresh) == 8
+    cache.check_invariants()
+    d.end()
+
+
+def test_a_plan_does_not_outlive_its_step(make):
+    # The recompute policy's agreed figures change at end_step: a plan's cut is for its step.
+    cache, d = make(gpu=4)
+    d.step("a", T(0, 9))
+    d.begin()
+    plan = d.m.plan("b", T(0, 9))
+    d.end()
+    d.begin()
+    with pytest.raises(AssertionError, match="stale"):
+        d.m.commit(plan)
+    assert d.m.commit(d.m.refresh(plan)) == 8
+    cache.check_invariants()
+    d.end()
+
+
+def test_landing_slots_make_a_plan_stale(make):
+    from kvdist.blocks import GPU
+    from kvdist.landing import ManagerSlots
+
+    cache, d = make(gpu=4)
+    m = d.m
+    slots = ManagerSlots(m)
+    d.step("a", T(0, 9))
+    d.begin()
+    plan = m.plan("b", T(0, 9))
+    assert plan.available == 2
+    got = slots.reserve(GPU, 1)
+    assert got == [2] and m.refresh(plan) is not plan and m.refresh(plan).available == 1
+    plan = m.refresh(plan)
+    assert slots.land(2, m.block_hashes(token_array(T(40, 4)))[0])
+    assert m.refresh(plan) is not plan and m.refresh(plan).available == 2
+    plan = m.refresh(plan)
+    [s] = slots.reserve(GPU, 1)
+    plan = m.refresh(plan)
+    slots.release(s)
+    assert m.refresh(plan) is not plan
+    cache.check_invariants()
+    d.end()

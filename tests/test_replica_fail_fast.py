@@ -8,22 +8,21 @@ import sys
 import time
 from pathlib import Path
 
-from .launching import launcher_module
+from kvdist.launcher.leftovers import remove_leftovers, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def test_a_failing_replica_test_does_not_wait_in_close():
-    launcher = launcher_module()
-    segments = launcher.shm_segments()
+    segments = shm_segments()
     t0 = time.monotonic()
     r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
                         "--with-mpi", "-p", "no:cacheprovider", "tests/mpi/failing_replica_demo.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400,
                        env={**os.environ, "MPIEXEC_TIMEOUT": "400"})
     seconds = time.monotonic() - t0
-    launcher.remove_leftovers(segments)  # the aborted ranks leave MPICH's segment
+    remove_leftovers(segments)  # the aborted ranks leave MPICH's segment
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     # What Hydra forwards before MPI_Abort may be lost (see test_mpi_phase); the rule is

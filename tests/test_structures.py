@@ -115,3 +115,106 @@ def test_metadata_is_compact():
     meta = BlockMeta(1 << 16)
     assert meta.nbytes == 30 * (1 << 16)
     assert np.all(meta.prev == NO_SLOT)
+
+
+# -- the single-rank cache's modules ---------------------------------------------------------------
+# Lowest first: each may import only modules before it (and anything outside this list).
+SINGLE_RANK = ["blocks", "prefix", "eviction", "recompute_policy", "counters", "sequences",
+               "admission_plan", "block_pool", "manager_checks", "manager", "landing"]
+
+
+def _tree(name: str):
+    import ast
+    from pathlib import Path
+
+    import kvdist
+
+    path = Path(kvdist.__file__).parent / f"{name}.py"
+    return ast.parse(path.read_text(), str(path))
+
+
+def _kvdist_imports(name: str) -> set[str]:
+    """Every kvdist module ``name`` imports, TYPE_CHECKING blocks included."""
+    import ast
+
+    out = set()
+    for node in ast.walk(_tree(name)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                out.add(node.module.split(".")[0])
+            else:
+                out.update(a.name for a in node.names)
+    return out
+
+
+def test_the_single_rank_cache_imports_only_downward():
+    above = {}
+    for i, name in enumerate(SINGLE_RANK):
+        up = _kvdist_imports(name) & set(SINGLE_RANK[i:])
+        if up:
+            above[name] = sorted(up)
+    assert above == {}
+
+
+def test_the_single_rank_cache_reads_no_private_name_of_another_object():
+    import ast
+
+    found = {}
+    for name in SINGLE_RANK:
+        for node in ast.walk(_tree(name)):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and \
+                    not node.attr.startswith("__") and \
+                    not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.setdefault(name, []).append(f"{ast.unparse(node)} (line {node.lineno})")
+    assert found == {}
+
+
+class _Recorder:
+    def __init__(self):
+        self.events = []
+
+    def host_filled(self, slot):
+        self.events.append(("filled", slot))
+
+    def host_emptied(self, slot):
+        self.events.append(("emptied", slot))
+
+
+def test_the_host_observer_hears_every_host_slot_change_in_order():
+    from kvdist.blocks import GPU, HOST
+    from kvdist.landing import ManagerSlots
+    from kvdist.layout import KVLayout
+    from kvdist.manager import CacheManager
+    from kvdist.transfer.executors import NullExecutor
+
+    m = CacheManager(KVLayout(1, 1, 1, "float16", 4), (2, 2, 1), NullExecutor())
+    rec = m.host_observer = _Recorder()
+
+    def run(seq_id, start):
+        m.begin_step()
+        m.add_sequence(seq_id, list(range(start, start + 8)))
+        m.end_step()
+        m.release(seq_id)
+        m.check_invariants()
+
+    run("a", 0)  # GPU 0, 1
+    assert rec.events == []
+    run("b", 100)  # a's blocks offloaded to host 2, 3
+    assert rec.events == [("filled", 2), ("filled", 3)]
+    del rec.events[:]
+    # b's blocks offloaded: host 2 demoted to disk 4, then host 3 too (disk 4 dropped).
+    run("c", 200)
+    assert rec.events == [("emptied", 2), ("filled", 2), ("emptied", 3), ("filled", 3)]
+    del rec.events[:]
+    slots = ManagerSlots(m)
+    m.begin_step()
+    assert slots.reserve(HOST, 1) == [2]  # host 2 demoted (its bytes stay until reused)
+    assert slots.land(2, 12345)
+    assert rec.events == [("emptied", 2), ("filled", 2)]
+    del rec.events[:]
+    [g] = slots.reserve(GPU, 1)  # GPU block offloaded into host 3, whose block is demoted
+    slots.release(g)  # a GPU landing slot: nothing to hear
+    m.end_step()
+    assert g == 1 and rec.events == [("emptied", 3), ("filled", 3)]
+    assert m.counters.blocks_moved["demote"] == 4 and m.counters.dropped == 3
+    m.check_invariants()

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
+from ..admission_plan import AdmissionPlan
 from ..blocks import GPU, HOST
 from ..eviction import DEFAULT_PRIORITY
 from ..prefix import MASK64
@@ -52,7 +53,6 @@ class LocalSlots(HostSlots, Protocol):
     executor: object
 
     def block_hashes(self, tokens: Iterable[int]) -> list[int]: ...
-    def fits(self, seq_id: Hashable, n_tokens: int, hashes: list[int]) -> bool: ...
     def cached_prefix(self, hashes: list[int]) -> list[int]: ...
     def tier_of(self, h: int) -> int | None: ...
     def reserve(self, tier: int, n: int) -> list[int]: ...
@@ -117,7 +117,6 @@ class RemoteTier:
         self._deferred: dict[Hashable, list[int]] = {}  # prefetches asked for between steps
         self._prefetched: dict[Hashable, set[int]] = {}  # seq -> hashes landed for it
         self.counters = RemoteCounters()
-        self.local_prefix: list[int] | None = None  # see _plan
         self._agreed: np.ndarray | None = None  # directory counts the last end_step agreed on
         # Every fetcher once (one message transport fetches from all peers it reaches).
         self._fetchers = list({id(t): t for t in transports.values()}.values())
@@ -274,22 +273,17 @@ class RemoteTier:
         self.landing_used[b.tier] -= 1
 
     # -- fetching ---------------------------------------------------------------------------------------
-    def _plan(self, hashes: list[int], seq_id: Hashable | None, fits=None) -> list[Batch]:
-        """Reserve landing slots for the longest run of ``hashes`` after the local prefix
-        that peers hold (stopping at a block already on its way) and start the batches,
-        one per holder and landing tier. Nothing when ``fits()`` says no: then
-        ``self.local_prefix`` is the local prefix's slots, as they still are."""
-        local = self.slots.cached_prefix(hashes)
-        start = len(local)
-        entries = self.directory.match(hashes[start:])
-        if not entries or (fits is not None and not fits()):
-            self.local_prefix = local
+    def _plan(self, hashes: list[int], seq_id: Hashable | None) -> list[Batch]:
+        """Reserve landing slots for the longest run of leading ``hashes`` that peers
+        hold (stopping at a block already on its way) and start the batches, one per
+        holder and landing tier. ``hashes`` start after the local cached prefix."""
+        entries = self.directory.match(hashes)
+        if not entries:
             return []
-        self.local_prefix = None
         per_batch: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (peer, tier) -> blocks
         prefetch = seq_id is not None
         for i, g in enumerate(entries):
-            h = hashes[start + i]
+            h = hashes[i]
             if h in self.landing:
                 break
             peer, slot = self.directory.holder(g)
@@ -337,7 +331,7 @@ class RemoteTier:
         return self._start_prefetch(seq_id, hashes)
 
     def _start_prefetch(self, seq_id: Hashable, hashes: list[int]) -> int:
-        batches = self._plan(hashes, seq_id)
+        batches = self._plan(hashes[len(self.slots.cached_prefix(hashes)):], seq_id)
         if batches:
             self.inflight.extend(batches)
             self._prefetch.setdefault(seq_id, []).extend(batches)
@@ -371,12 +365,13 @@ class RemoteTier:
             return True
         return False
 
-    def pull(self, hashes: list[int], fits=None) -> set[int]:
-        """add_sequence's own fetch: start the prompt's remote blocks (if ``fits()``),
-        wait until this rank has each (or gave it up: at most ``fetch_timeout_ms``),
-        agree, land. Collective inside the TP group when anything was started (the
-        ranks start the same batches: their directories and caches are equal)."""
-        batches = self._plan(hashes, None, fits)
+    def pull(self, hashes: list[int]) -> set[int]:
+        """add_sequence's own fetch: start the blocks of ``hashes`` (a prompt's after its
+        local cached prefix) that peers hold, wait until this rank has each (or gave it
+        up: at most ``fetch_timeout_ms``), agree, land. Collective inside the TP group
+        when anything was started (the ranks start the same batches: their directories
+        and caches are equal)."""
+        batches = self._plan(hashes, None)
         if not batches:
             return set()
         t0 = time.perf_counter()
@@ -396,23 +391,23 @@ class RemoteTier:
         return landed
 
     # -- add_sequence ----------------------------------------------------------------------------------
-    def before_add(self, seq_id: Hashable, tokens: Sequence[int], fits) -> tuple[list[int], dict[int, int]]:
-        """Fetch what the prompt needs from peers (unless ``fits(hashes)`` says it does
-        not fit: then nothing changes and add_sequence raises). Returns the hashes of
-        its full blocks (for add_sequence) and the tier each block fetched for it is in
-        (for ``after_add``, which counts the remote hits); ``local_prefix`` is then the
-        slots add_sequence will reuse when nothing was fetched (None otherwise)."""
-        full, hashes = self._reusable(tokens)
+    def before_add(self, plan: AdmissionPlan) -> dict[int, int]:
+        """Fetch the plan's remote part from peers, when it fits (else nothing changes
+        and commit raises). Returns the tier each block fetched for the prompt (by its
+        prefetch or now) is in, for ``after_add``, which counts the remote hits."""
+        seq_id = plan.seq_id
         landed = self._prefetched.pop(seq_id, set())
         self._prefetch.pop(seq_id, None)
         self._deferred.pop(seq_id, None)
-        landed |= self.pull(hashes, lambda: fits(hashes))
+        if plan.fits:
+            landed |= self.pull(plan.remote_hashes)
         if len(self._prefetched) > _PREFETCH_RECORDS:  # prefetched, never admitted
             self._prefetched.pop(next(iter(self._prefetched)))
-        return full, {h: t for h in landed if (t := self.slots.tier_of(h)) is not None}
+        return {h: t for h in landed if (t := self.slots.tier_of(h)) is not None}
 
-    def after_add(self, context: tuple[list[int], dict[int, int]], reused_tokens: int) -> None:
-        hashes, tier_of = context
+    def after_add(self, hashes: list[int], tier_of: dict[int, int], reused_tokens: int) -> None:
+        """Count the prompt's reused blocks (``hashes[:reused_tokens // tokens per
+        block]``) that were fetched for it, by the tier they landed in."""
         if not tier_of:
             return
         for h in hashes[: reused_tokens // self.tpb]:

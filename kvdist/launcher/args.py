@@ -31,7 +31,8 @@ loads the MPI library of that mpiexec (``MPI4PY_LIBMPI``). ``MPIEXEC_TIMEOUT`` (
 0 = none) bounds the whole job.
 
 The job ends with the launcher: SIGINT, SIGTERM or SIGHUP is forwarded to mpiexec (the
-ranks stop at their next step; a second one, or 3 s without an end, kills mpiexec), and
+ranks stop at their next step; a second one, or 1.5 s without an end, has each watcher
+stop its rank), and
 if the launcher itself is killed, mpiexec gets SIGTERM from the kernel and each rank's
 watcher stops its rank. When a rank dies, one line names it, on whichever node:
 ``kvdist: rank 3 (pid 4711 on node7) was killed by SIGKILL; the job ends``. Shared

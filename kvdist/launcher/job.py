@@ -5,7 +5,10 @@ names the rank that died first.
 - SIGINT, SIGTERM, SIGHUP to the launcher go to mpiexec (a terminal's Ctrl-C reaches
   only the launcher: mpiexec has its own session, so it gets one SIGINT, not two); the
   ranks stop at their next step and close their caches. A second signal, or
-  ``STOP_GRACE_S`` without an end, kills mpiexec (then each watcher stops its rank).
+  ``STOP_GRACE_S`` without an end, releases the watchers, which stop their ranks
+  (SIGTERM, SIGKILL 2.5 s later), so mpiexec ends by itself and cleans up after itself
+  (Hydra leaves its /tmp/hydra_hwloc_xmlfile_* when killed); ``KILL_AFTER_S`` later it
+  is killed all the same.
 - A launcher killed outright (SIGKILL, a crash): mpiexec gets SIGTERM from the kernel
   (``PR_SET_PDEATHSIG``) and forwards it to the ranks; each rank's watcher sees its
   connection close and stops its rank (SIGTERM, then SIGKILL) and removes what the
@@ -17,6 +20,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import resource
 import secrets
 import shlex
 import signal
@@ -30,10 +34,11 @@ from .leftovers import remove_leftovers, shm_segments
 from .mpiexec import REPO, build_command, find_mpiexec, find_python, flavor, libmpi_of
 from .server import RankWatch
 
-__all__ = ["STOP_GRACE_S", "STOP_SIGNALS", "Job", "main"]
+__all__ = ["KILL_AFTER_S", "STOP_GRACE_S", "STOP_SIGNALS", "Job", "main"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-STOP_GRACE_S = 3.0
+STOP_GRACE_S = 1.5
+KILL_AFTER_S = 5.0
 PIPE_BYTES = 1 << 20
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
@@ -60,7 +65,8 @@ class Job:
         self.signals: list[int] = []  # stop signals received, in order
         self.killed = False  # whether the launcher killed mpiexec
         self.mid_line = False  # whether mpiexec's stderr left a line unfinished
-        self._grace_end: float | None = None
+        self._grace_end: float | None = None  # when to release the watchers
+        self._kill_at: float | None = None  # when to kill mpiexec
         self._saved: dict[int, object] = {}
 
     def __enter__(self) -> Job:
@@ -102,8 +108,13 @@ class Job:
         if len(self.signals) == 1:
             self._grace_end = time.monotonic() + STOP_GRACE_S
             self.proc.send_signal(signum)
-        else:
-            self._kill()
+        elif self._grace_end is not None:  # acted on by the wait loop, not here: the handler
+            self._grace_end = 0.0  # may interrupt it anywhere
+
+    def _release(self) -> None:
+        """Let every watcher stop its rank now; mpiexec ends with them (else is killed)."""
+        self.watch.release()
+        self._kill_at = time.monotonic() + KILL_AFTER_S
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
@@ -126,6 +137,9 @@ class Job:
         while True:
             if self._grace_end is not None and time.monotonic() > self._grace_end:
                 self._grace_end = None
+                self._release()
+            if self._kill_at is not None and time.monotonic() > self._kill_at:
+                self._kill_at = None
                 self._kill()
             if deadline is None and self.proc.poll() is not None:
                 deadline = time.monotonic() + 2.0  # for orphans holding the pipes, and late reports
@@ -179,6 +193,14 @@ def _environment(a: launch_args.LaunchArgs, mpiexec: str, kind: str) -> dict[str
     return env
 
 
+def _more_descriptors() -> None:
+    """The soft limit of open files raised to the hard one: a connection per rank."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None, checkout: Path | None = None) -> int:
     """kvdist-launch (see args.HELP); returns its exit status."""
     repo = checkout or REPO
@@ -200,6 +222,7 @@ def main(argv: list[str] | None = None, checkout: Path | None = None) -> int:
     env = _environment(a, mpiexec, kind)
     watch = None
     if not a.dry_run:  # where the ranks' watchers report (Open MPI forwards it with -x)
+        _more_descriptors()
         watch = RankWatch(a.np, local=a.hostfile is None, token=secrets.token_hex(16))
         env.update(watch.env())
     cmd = build_command(a.np, a.hostfile, a.ppn, a.module, a.command, mpiexec, kind, python, env)

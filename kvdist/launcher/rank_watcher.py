@@ -10,8 +10,9 @@ the rank itself, on whatever node the rank runs.
 with the job's token in ``$KVDIST_LAUNCH_TOKEN`` (never on the command line: every
 local user reads those). The lines it sends are those of ``wire.py``. Two more duties:
 
-- **the launcher's death**: the connection closing while the rank runs means the
-  launcher is gone (SIGKILL, a crash): the watcher stops the rank — SIGTERM (it stops
+- **the launcher's death**: the connection closing (without ``refused``) while the
+  rank runs, or refused at the start, means the launcher is gone (SIGKILL, a crash):
+  the watcher stops the rank — SIGTERM (it stops
   at its next step, closing its caches), SIGKILL after ``STOP_GRACE_S`` — so no job
   outlives its launcher;
 - **leftovers**: once the rank has ended, the shared-memory files of this user that
@@ -188,7 +189,11 @@ def watch(addr: str, token: str, rank: int, host: str, pid: int) -> int:
     try:
         conn = socket.create_connection((where.strip("[]"), int(port)), timeout=10)
         conn.sendall(wire.hello(token, rank, host, pid))
-    except (OSError, ValueError):
+    except ConnectionRefusedError:  # the launcher's host answers, its port is closed: it is gone
+        _stop(pid, pidfd)
+        _remove_leftovers(since)
+        return 1
+    except (OSError, ValueError):  # unreachable (a firewall?): the rank runs unwatched
         return 1
     poll = select.poll()
     poll.register(conn, select.POLLIN)
@@ -198,8 +203,14 @@ def watch(addr: str, token: str, rank: int, host: str, pid: int) -> int:
         ready = {fd for fd, _ in poll.poll(None if pidfd is not None else 100)}
         if pidfd in ready or (pidfd is None and _ended(pid)):
             break
-        if conn.fileno() in ready:  # the launcher is gone (it never writes): so is the job
-            _stop(pid, pidfd)
+        if conn.fileno() in ready:
+            try:
+                said = conn.recv(len(wire.REFUSED))
+            except OSError:
+                said = b""
+            if said == wire.REFUSED:  # the launcher does not take this watcher: the rank runs on
+                return 1
+            _stop(pid, pidfd)  # the launcher is gone: so is the job
             _remove_leftovers(since)
             return 0
     try:

@@ -10,8 +10,9 @@ The port is a door into the launcher, so it is kept small:
 - it listens on loopback when every rank is local (no hostfile), else on the address
   the launching host's name resolves to — never on every interface;
 - a connection has ``HELLO_TIMEOUT_S`` to say a valid hello (the job's token, a rank
-  below NP, not yet reported) or is closed; at most ``MAX_PENDING`` wait for theirs (the
-  oldest goes for a new one), and out of descriptors it closes the oldest waiting one or
+  below NP, not yet reported) or is refused (``wire.REFUSED``, then closed); at most NP +
+  ``MAX_PENDING`` wait for theirs (the oldest goes for a new one: every watcher of the
+  job may connect at once), and out of descriptors it refuses the oldest waiting one or
   stops accepting for a moment — it never spins;
 - a line it cannot read is counted (``bad_lines``) and ignored; it never raises on input."""
 
@@ -22,7 +23,7 @@ import selectors
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import wire
 from .banner import Banner
@@ -50,7 +51,7 @@ class _Conn:
     since: float
     buffer: bytes = b""
     rank: int | None = None  # set by a valid hello
-    done: bool = field(default=False)  # its status came
+    done: bool = False  # its status came
 
 
 class RankWatch:
@@ -86,7 +87,7 @@ class RankWatch:
             self.sel.register(self.listener, selectors.EVENT_READ, "listen")
         for conn, state in list(self.conns.items()):
             if state.rank is None and now - state.since > HELLO_TIMEOUT_S:
-                self._close(conn)
+                self._refuse(conn)
         for key, _ in self.sel.select(timeout):
             if key.data == "listen":
                 self._accept()
@@ -96,12 +97,17 @@ class RankWatch:
             else:
                 on_output(key)
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close every connection: each watcher whose rank still runs stops it."""
         for conn in list(self.conns):
             self._close(conn)
+
+    def close(self) -> None:
+        self.release()
         if not self.paused_until:
             self.sel.unregister(self.listener)
         self.listener.close()
+        self.sel.close()
 
     def settled(self) -> bool:
         """Whether the first rank that ended has its status (or never reported one)."""
@@ -119,14 +125,14 @@ class RankWatch:
             except OSError:  # out of descriptors: make room, or wait a moment
                 pending = self._pending()
                 if pending:
-                    self._close(pending[0])
+                    self._refuse(pending[0])
                     continue
                 self.sel.unregister(self.listener)
                 self.paused_until = time.monotonic() + PAUSE_S
                 return
             pending = self._pending()
-            if len(pending) >= MAX_PENDING:
-                self._close(pending[0])
+            if len(pending) >= self.np + MAX_PENDING:
+                self._refuse(pending[0])
             conn.setblocking(False)
             self.conns[conn] = _Conn(time.monotonic())
             self.sel.register(conn, selectors.EVENT_READ, "conn")
@@ -149,7 +155,7 @@ class RankWatch:
                 return
         if len(state.buffer) > wire.MAX_LINE:  # a line without end
             self.bad_lines += 1
-            self._close(conn)
+            self._refuse(conn)
 
     def _line(self, conn: socket.socket, state: _Conn, line: bytes) -> bool:
         """Act on one line; False once ``conn`` is closed."""
@@ -157,7 +163,7 @@ class RankWatch:
             hello = wire.parse_hello(line, self.token, self.np)
             if hello is None or hello.rank in self.ranks:
                 self.bad_lines += 1
-                self._close(conn)
+                self._refuse(conn)
                 return False
             state.rank = hello.rank
             self.ranks[hello.rank] = (hello.host, hello.pid)
@@ -174,6 +180,14 @@ class RankWatch:
         self.status[state.rank] = value
         self._close(conn)
         return False
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Close a connection this server does not take, saying so (best effort)."""
+        try:
+            conn.send(wire.REFUSED)
+        except OSError:
+            pass
+        self._close(conn)
 
     def _close(self, conn: socket.socket) -> None:
         rank = self.conns.pop(conn).rank

@@ -9,10 +9,12 @@ Over one connection, watcher -> launcher, one line each, ASCII:
     end                           the moment the rank's process ends
     status  S | -                 its wait status (0..65535), or ``-`` where it cannot be had
 
-The launcher never writes; it closes the connection when the job is over. A watcher
-that sees the connection close while its rank still runs takes it as the launcher's
-death and stops the rank. Anything else a peer sends is a bad line: the launcher counts
-it and ignores it (a bad hello closes that connection)."""
+Launcher -> watcher, only one line, before it closes a connection it does not take (a
+bad or late hello, too many waiting): ``refused``. Otherwise the launcher closes the
+connection when the job is over; a watcher that sees its connection close without
+``refused`` while its rank still runs takes it as the launcher's death and stops the
+rank. Anything else a peer sends is a bad line: the launcher counts it and ignores it
+(a bad hello closes that connection)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ import hmac
 import re
 from dataclasses import dataclass
 
-__all__ = ["ADDR_ENV", "END", "MAX_LINE", "TOKEN_ENV", "Hello", "hello", "parse_hello", "parse_status",
-           "status"]
+__all__ = ["ADDR_ENV", "END", "MAX_LINE", "REFUSED", "TOKEN_ENV", "Hello", "hello", "parse_hello",
+           "parse_status", "status"]
 
 ADDR_ENV = "KVDIST_LAUNCH_ADDR"  # where the watchers report: ADDRESS:PORT ([v6]:PORT)
 TOKEN_ENV = "KVDIST_LAUNCH_TOKEN"  # the job's secret; never on a command line
 MAX_LINE = 512  # a longer line is garbage
 END = b"end\n"
+REFUSED = b"refused\n"
 
 _HELLO = re.compile(r"hello ([0-9]{1,7}) ([A-Za-z0-9._:-]{1,255}) ([0-9]{1,10}) ([0-9a-f]{1,128})", re.ASCII)
 _STATUS = re.compile(r"status (?:([0-9]{1,5})|-)", re.ASCII)
@@ -40,6 +43,8 @@ class Hello:
 
 
 def hello(token: str, rank: int, host: str, pid: int) -> bytes:
+    """The hello line; a host name's characters outside the protocol's become ``_``."""
+    host = re.sub(r"[^A-Za-z0-9._:-]", "_", host)[:255] or "_"
     return f"hello {rank} {host} {pid} {token}\n".encode()
 
 

@@ -26,15 +26,12 @@ def main(args: argparse.Namespace) -> int:
     if args.rate is not None:
         cfg = cfg.replace(workload={"request_rate": args.rate})
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-    from .experiment.preflight import check_run_size
-
-    check_run_size(cfg, args.requests)  # before anything big: the trace and the model fit
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
     from .experiment.job import run
     from .experiment.options import RunOptions
-    from .experiment.preflight import StartupFailed
+    from .experiment.preflight import StartupFailed, check_run_size
 
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
@@ -43,6 +40,7 @@ def main(args: argparse.Namespace) -> int:
     if opts.compare and replicated:
         raise ConfigError("--compare", True, "a job of replicas (distributed.tp_size) compares its replicas "
                           "isolated and sharing instead")
+    check_run_size(cfg, args.requests)  # before anything big: distributed.tp_size, the trace and model fit
     if opts.compare is None:
         import torch
 

@@ -6,7 +6,7 @@
 # printed> (13.8 on the H200, 2026-12-01).
 #   1. CUDA tests of the model (each attention kernel vs each segment alone, cached bf16 forward vs
 #      recompute) and of layer-wise onboarding (gated onboard stream, S5 on and off);
-#   2. bench layerwise: compute waits on onboarding, whole step vs layer groups, equal bytes;
+#   2. bench layerwise: a step with 1 GiB of copies each way vs without, by block size, serial and running ahead;
 #   3. capacity: all tiers (running ahead and serial) and GPU only with every request arriving at once (--rate 1000):
 #      prompt tokens/s flat out; the rate of step 4 is 0.7 x GPU-only's requests/s there;
 #   4. run --compare on configs/h200.yaml (Llama-3-8B, TP=1): all tiers, GPU tier only,
@@ -59,7 +59,7 @@ if has 1; then
 fi
 if has 2; then
     echo "== bench layerwise"
-    python3 -m kvdist bench layerwise --groups 1,8,16,32 --json "$O/layerwise.json" 2>/tmp/layerwise.err \
+    python3 -m kvdist bench layerwise --json "$O/layerwise.json" 2>/tmp/layerwise.err \
         | tee "$O/layerwise.log" || tail -20 /tmp/layerwise.err
 fi
 if has 3 && [ -z "${RATE:-}" ]; then

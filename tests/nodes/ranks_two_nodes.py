@@ -257,6 +257,7 @@ def test_replicas_fetch_remote_blocks_across_nodes(world):
 
     cfg = yaml.safe_load((ROOT / "configs" / "replicas.yaml").read_text())
     cfg["cache"]["gpu"]["blocks"] = 32
+    cfg["cache"]["host"]["bytes"] = "8MiB"  # the run checks its memory against the bed's (32 MiB a rank)
     cfg["distributed"]["remote"]["fetch_timeout_ms"] = 1000
     cfg["workload"].update(conversations=8, turns=[3, 6], output_tokens=[4, 8], think_steps=10,
                            system_prompt_tokens=256)  # prompts that overflow the 32 GPU blocks

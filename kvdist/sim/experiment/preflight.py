@@ -10,6 +10,7 @@ import os
 from ... import paths
 from ...config import CacheConfig
 from ...distributed import comm as dist_comm
+from ...distributed.replicas import ReplicaLayout
 from ...errors import ConfigError, KVDistError
 from ...storage.host_sizing import available_memory
 from .budget import Budget, check_run
@@ -68,7 +69,7 @@ def check_run_size(cfg: CacheConfig, requests: int | None, comm=None) -> None:
     if any cannot hold them. Collective over ``comm`` (None: the whole job)."""
     c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
     try:
-        ranks = cfg.distributed.tp_size or c.size
+        ranks = ReplicaLayout.of(c.rank, c.size, cfg.distributed.tp_size).tp_size  # or its mistake, first
         problem = check_run(cfg, requests, ranks, _budget(cfg, c.local_rank, c.local_size))
         problems = c.allgather(problem, "run size")
     finally:

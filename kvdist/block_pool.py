@@ -1,0 +1,349 @@
+"""The slots of every tier as one component: free lists, eviction lists (priority-LRU),
+reference counts, and the eviction cascade that frees a slot by moving the coldest
+block one tier colder (GPU -> host -> disk) or dropping it. The copies the moves need
+reach the transfer engine together (``submit_moves``), in order, one call per run of
+one route.
+
+The manager (``kvdist.manager``) and the remote tier's landing slots
+(``kvdist.landing``) change slots only through this interface; the invariant checks
+read a :class:`PoolSnapshot`. State it owns, per tier ``t``:
+
+* ``free[t]``: the FREE slots (a stack; a queue for the host tier above a disk, see
+  ``kvdist.blocks.FreeQueue``);
+* ``lru[t]``: the CACHED slots no sequence references (refcount 0), coldest first;
+* the moves queued since the last ``submit_moves`` (empty between calls of the
+  manager: a slot is in transit only inside one call).
+
+A CACHED slot is in its tier's eviction list iff its refcount is 0: ``pin`` and
+``unpin`` keep the two together. ``generation`` grows with every change to the
+slots, so an admission plan can tell whether it is still current. When a host
+slot gets or loses its block, ``host_observer`` hears it, from ``_host_changed``
+alone."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .blocks import (
+    ACTIVE,
+    CACHED,
+    DISK,
+    FREE,
+    GPU,
+    HOST,
+    LANDING,
+    NO_SLOT,
+    BlockMeta,
+    FreeQueue,
+    FreeStack,
+    SlotSpace,
+)
+from .counters import CacheCounters
+from .eviction import DEFAULT_PRIORITY, PriorityLRU
+from .prefix import MASK64, PrefixIndex
+from .recompute_policy import RecomputePolicy
+from .transfer import PROMOTE, Route, TransferEngine, route
+
+__all__ = ["BlockPool", "HostObserver", "PoolSnapshot"]
+
+_COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
+
+
+class HostObserver(Protocol):
+    """Who must know when a host slot's block changes (global slot ids)."""
+
+    def host_filled(self, slot: int) -> None:
+        """``slot`` now holds a cached block; the copy into it may still be queued."""
+
+    def host_emptied(self, slot: int) -> None:
+        """``slot`` no longer holds its block (it is free; its bytes stay until reused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """A copy of the pool's lists, for checks and digests (tier-indexed; a tier
+    without slots has ``free`` None and an empty ``lru``)."""
+
+    free: tuple[np.ndarray | None, ...]  # free slots, next to be taken first
+    lru: tuple[np.ndarray, ...]  # evictable slots, next to be evicted first
+    pending_moves: int  # moves not handed to the engine (0 between calls)
+
+
+class BlockPool:
+    """Free lists, eviction lists and pending moves of every tier (module docstring)."""
+
+    def __init__(self, space: SlotSpace, meta: BlockMeta, index: PrefixIndex, engine: TransferEngine,
+                 policy: RecomputePolicy, counters: CacheCounters, offload_min_priority: int = 0):
+        cap = space.capacity
+        self.space, self.meta, self.index, self.engine = space, meta, index, engine
+        self.policy, self.counters = policy, counters
+        self.offload_min_priority = offload_min_priority
+        # The host tier reuses its oldest free slot first when disk writes may still be
+        # reading the newest (FreeQueue); elsewhere the last freed slot goes first.
+        kinds = (FreeStack, FreeQueue if cap[DISK] else FreeStack, FreeStack)
+        self.free = [kinds[t](space.base[t], cap[t]) if cap[t] else None for t in (GPU, HOST, DISK)]
+        self.lru = [PriorityLRU(meta) for _ in (GPU, HOST, DISK)]
+        # Where a block evicted from tier t may go, in order of preference.
+        self._colder = {GPU: [route(GPU, t) for t in (HOST, DISK) if cap[t]],
+                        HOST: [route(HOST, DISK)] if cap[DISK] else [], DISK: []}
+        self._gpu_end, self._host_end = space.base[HOST], space.base[DISK]
+        self._moves: tuple[list[int], list[int], list[Route]] = ([], [], [])  # src, dst, route
+        self.host_observer: HostObserver | None = None
+        self.generation = 0  # grows with every change (see the module docstring)
+        self.transfer_seconds = 0.0  # handing moves to the engine
+
+    # -- counts ----------------------------------------------------------------------------------
+    def free_count(self, tier: int) -> int:
+        f = self.free[tier]
+        return 0 if f is None else len(f)
+
+    def available(self, tier: int) -> int:
+        """Slots of ``tier`` that can be had now: free or evictable."""
+        return self.free_count(tier) + len(self.lru[tier])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.free if f is not None)
+
+    # -- sequences' GPU slots ----------------------------------------------------------------------
+    def allocate(self, n: int, priority: int) -> list[int]:
+        """``n`` fresh GPU slots in state ACTIVE, refcount 1, evicting as needed (the
+        moves are handed to the engine). The caller checked ``available(GPU) >= n``."""
+        self.generation += 1
+        self.make_free(GPU, n)
+        slots = self.free[GPU].pop_many(n)
+        meta = self.meta
+        state, ref, prio = meta.state_mv, meta.ref_mv, meta.prio_mv
+        for s in slots:
+            state[s] = ACTIVE
+            ref[s] = 1
+            prio[s] = priority
+        return slots
+
+    def pin(self, hits: list[int], priority: int) -> None:
+        """Take a prompt's cached prefix out of reach of eviction: a GPU hit gains a
+        reference (and at least ``priority``), leaving its eviction list at the first;
+        a host or disk hit leaves its eviction list (the caller moves it at once)."""
+        self.generation += 1
+        gpu_end, tier_of, lru = self._gpu_end, self.space.tier_of, self.lru
+        ref, prio = self.meta.ref_mv, self.meta.prio_mv
+        lru_gpu = lru[GPU]
+        for s in hits:
+            if s < gpu_end:
+                if ref[s] == 0:
+                    lru_gpu.remove(s)
+                ref[s] += 1
+                if prio[s] < priority:
+                    prio[s] = priority
+            else:
+                lru[tier_of(s)].remove(s)
+
+    def unpin(self, slots: list[int]) -> None:
+        """Drop one reference from each GPU slot of a released sequence: an unreferenced
+        cached block becomes evictable, the last block first (the tail of a prefix is
+        evicted before the blocks it depends on); any other unreferenced slot is freed."""
+        self.generation += 1
+        meta = self.meta
+        ref, state, free_push = meta.ref_mv, meta.state_mv, self.free[GPU].push
+        unreferenced: list[int] = []
+        for s in reversed(slots):
+            r = ref[s] - 1
+            ref[s] = r
+            if r == 0:
+                if state[s] == CACHED:
+                    unreferenced.append(s)
+                else:
+                    state[s] = FREE
+                    free_push(s)
+        self.lru[GPU].push_run(unreferenced)
+
+    def register(self, slots: list[int]) -> None:
+        """Index the filled blocks in ``slots`` (hashes in meta) as CACHED; a block
+        already indexed in another slot stays private (ACTIVE) here."""
+        self.generation += 1
+        insert, state = self.index.insert, self.meta.state_mv
+        for s in slots:
+            if insert(s):
+                state[s] = CACHED
+
+    # -- moves -----------------------------------------------------------------------------------
+    def move(self, src: int, dst: int, along: Route) -> None:
+        """Move the cached block in ``src`` (of tier ``along.src``, out of its lists)
+        to the free slot ``dst`` (of tier ``along.dst``): an exclusive move, ``src``
+        ends on its free list. The copy reaches the engine at the next ``submit_moves``."""
+        self.generation += 1
+        meta = self.meta
+        srcs, dsts, routes = self._moves
+        srcs.append(src)
+        dsts.append(dst)
+        routes.append(along)
+        meta.move(src, dst)
+        self.index.retarget(src, dst)
+        meta.state_mv[dst] = CACHED
+        meta.state_mv[src] = FREE
+        self.free[along.src].push(src)
+        self.counters.blocks_moved[along.name] += 1
+        if self.host_observer is not None:
+            self._host_changed(src, dst)
+
+    def submit_moves(self) -> None:
+        """Queue the moves made since the last call with the engine, in their order."""
+        srcs, dsts, routes = self._moves
+        if not srcs:
+            return
+        t0 = time.perf_counter()
+        if routes.count(routes[0]) == len(routes):
+            self._queue_copies(routes[0], srcs, dsts)
+        else:
+            start = 0
+            for i in range(1, len(routes) + 1):
+                if i == len(routes) or routes[i] is not routes[start]:
+                    self._queue_copies(routes[start], srcs[start:i], dsts[start:i])
+                    start = i
+        srcs.clear()
+        dsts.clear()
+        routes.clear()
+        self.transfer_seconds += time.perf_counter() - t0
+
+    def _queue_copies(self, along: Route, srcs: list[int], dsts: list[int]) -> None:
+        """Copies of one route: ``copy_many`` costs about as much as 24 single copies
+        up front and a quarter of one per copy after that."""
+        if len(srcs) < _COPY_MANY_FROM:
+            copy = self.engine.copy
+            for s, d in zip(srcs, dsts):
+                copy(along, s, d)
+        else:
+            self.engine.copy_many(along, srcs, dsts)
+
+    def _host_changed(self, emptied: int, filled: int) -> None:
+        """Tell the host observer (set) which of ``emptied`` / ``filled`` (global slots,
+        NO_SLOT for none) are host slots that lost or got their block."""
+        obs, lo, hi = self.host_observer, self._gpu_end, self._host_end
+        if lo <= emptied < hi:
+            obs.host_emptied(emptied)
+        if lo <= filled < hi:
+            obs.host_filled(filled)
+
+    def promote(self, cold: list[tuple[int, int]]) -> int:
+        """Move the disk blocks of a prompt's cached prefix (``cold``: (slot, tier) of
+        its host and disk hits, in prompt order) into host slots; the prefix's host
+        blocks and the promoted ones become the host tier's most recently used, the
+        tail's first. A disk block stays when no host slot can be had. The moves are
+        handed to the engine. Returns the blocks promoted."""
+        self.generation += 1
+        for s, t in cold:  # out of reach of the cascade below
+            self.lru[t].remove(s)
+        promoted, placed = 0, []
+        for s, t in cold:
+            if t == DISK:
+                h = self._take(HOST)
+                if h != NO_SLOT:
+                    self.move(s, h, PROMOTE)
+                    promoted += 1
+                    s, t = h, HOST
+            placed.append((s, t))
+        for s, t in reversed(placed):  # last block first: the prefix's tail leaves first
+            self.lru[t].push(s)
+        self.submit_moves()
+        return promoted
+
+    # -- the eviction cascade ----------------------------------------------------------------------
+    def take_slot(self, tier: int) -> int:
+        """A free slot of ``tier`` (off the free list, still FREE), evicting its coldest
+        block if needed; NO_SLOT if the tier has no free and no evictable slot. The
+        eviction's moves wait for ``submit_moves``."""
+        self.generation += 1
+        return self._take(tier)
+
+    def _take(self, tier: int) -> int:
+        s = self.free[tier].pop()
+        if s != NO_SLOT:
+            return s
+        victim = self.lru[tier].pop_victim()
+        if victim == NO_SLOT:
+            return NO_SLOT
+        self._evict(victim)
+        return self.free[tier].pop()
+
+    def _evict(self, slot: int) -> None:
+        """Evict the unreferenced cached block in ``slot`` (already out of the lists):
+        move it one tier colder, or drop it; the slot ends on its free list."""
+        meta = self.meta
+        tier = GPU if slot < self._gpu_end else self.space.tier_of(slot)
+        self.counters.evictions[tier] += 1
+        if not (tier == GPU and meta.prio_mv[slot] < self.offload_min_priority):
+            for along in self._colder[tier]:
+                if not self.policy.worth_storing(along.dst):
+                    continue  # never onboarded back from there: drop, do not write it
+                dst = self._take(along.dst)
+                if dst != NO_SLOT:
+                    self.move(slot, dst, along)
+                    self.lru[along.dst].push(dst)
+                    return
+        self.index.remove(slot)
+        meta.state_mv[slot] = FREE
+        self.free[tier].push(slot)
+        self.counters.dropped += 1
+        if self.host_observer is not None:
+            self._host_changed(slot, NO_SLOT)
+
+    def make_free(self, tier: int, n: int) -> None:
+        """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
+        nothing is left to evict), and hand the moves to the engine."""
+        free, lru = self.free[tier], self.lru[tier]
+        if len(free) < n:
+            self.generation += 1
+            while len(free) < n and (victim := lru.pop_victim()) != NO_SLOT:
+                self._evict(victim)
+        self.submit_moves()
+
+    # -- landing slots (blocks fetched from another replica) ------------------------------------------
+    def reserve(self, tier: int) -> int:
+        """A slot of ``tier`` in state LANDING (see ``take_slot``); NO_SLOT when none."""
+        s = self.take_slot(tier)
+        if s != NO_SLOT:
+            self.meta.state_mv[s] = LANDING
+            self.meta.prio_mv[s] = DEFAULT_PRIORITY
+        return s
+
+    def land(self, slot: int, h: int, priority: int = DEFAULT_PRIORITY) -> bool:
+        """Landing ``slot`` holds the whole block of hash ``h``: it becomes a cached
+        block, its tier's most recently used. False when ``h`` is indexed meanwhile:
+        the slot is released instead."""
+        meta = self.meta
+        assert meta.state_mv[slot] == LANDING, f"slot {slot} is not a landing slot"
+        self.generation += 1
+        meta.hi_mv[slot] = h >> 64
+        meta.lo_mv[slot] = h & MASK64
+        if not self.index.insert(slot):
+            self.release(slot)
+            return False
+        meta.state_mv[slot] = CACHED
+        meta.prio_mv[slot] = priority
+        self.lru[self.space.tier_of(slot)].push(slot)
+        if self.host_observer is not None:
+            self._host_changed(NO_SLOT, slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        """Return landing ``slot`` to its tier's free slots."""
+        assert self.meta.state_mv[slot] == LANDING, f"slot {slot} is not a landing slot"
+        self.generation += 1
+        self.meta.state_mv[slot] = FREE
+        self.free[self.space.tier_of(slot)].push(slot)
+
+    # -- checks ------------------------------------------------------------------------------------
+    def snapshot(self) -> PoolSnapshot:
+        return PoolSnapshot(tuple(None if f is None else f.snapshot() for f in self.free),
+                            tuple(np.fromiter(iter(lru), dtype=np.int64) for lru in self.lru),
+                            len(self._moves[0]))
+
+    def check_invariants(self) -> None:
+        """The eviction lists' own links; every move handed to the engine."""
+        assert not self._moves[0], f"{len(self._moves[0])} moves never reached the transfer engine"
+        for lru in self.lru:
+            lru.check_invariants()
