@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shlex
 import shutil
 import subprocess
 import sys
@@ -187,8 +188,14 @@ def start_private(config: Path, args: list[str], np: int,
     machine. Returns the launcher's process (the same pid as ``proc.pid``) and a holder
     process in the namespace (``private_files`` looks through it; kill it when done)."""
     argv = [a.replace("{dir}", PRIVATE_DIR) for a in args]
-    script = (f'set -e; mount -t tmpfs -o size=1g kvshm /dev/shm; mount -t tmpfs kvtmp /tmp; '
-              f'mkdir -p {PRIVATE_DIR}; cat > {PRIVATE_DIR}/tiny.yaml; '
+    # A checkout or interpreter under /tmp (a CI clone there) stays visible: opened before
+    # the tmpfs hides it, bound back from that descriptor after.
+    keep = _under_tmp()
+    opened = "".join(f"exec {3 + i}<{shlex.quote(str(p))}; " for i, p in enumerate(keep))
+    rebound = "".join(f"mkdir -p {q}; mount --no-canonicalize --bind /proc/self/fd/{3 + i} {q}; "
+                      for i, q in enumerate(shlex.quote(str(p)) for p in keep))
+    script = (f'set -e; {opened}mount -t tmpfs -o size=1g kvshm /dev/shm; mount -t tmpfs kvtmp /tmp; '
+              f'{rebound}mkdir -p {PRIVATE_DIR}; cat > {PRIVATE_DIR}/tiny.yaml; '
               f'sleep 900 </dev/null >/dev/null 2>&1 & echo "holder $!"; '
               f'exec "$@"')
     cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *LAUNCH, "-n", str(np),
@@ -202,11 +209,21 @@ def start_private(config: Path, args: list[str], np: int,
     return proc, holder
 
 
+def _under_tmp() -> list[Path]:
+    """The checkout and the interpreter's folders that lie under /tmp (outermost only)."""
+    tmp = Path("/tmp")
+    paths = {p for p in (ROOT, Path(sys.prefix).resolve(), Path(sys.executable).resolve().parent)
+             if p != tmp and p.is_relative_to(tmp)}
+    return sorted(p for p in paths if not any(q != p and p.is_relative_to(q) for q in paths))
+
+
 def private_files(holder: int) -> list[str]:
-    """What is in the namespace's /dev/shm and /tmp, but the job's own directory."""
+    """What is in the namespace's /dev/shm and /tmp, but the job's own directory (and
+    the checkout or interpreter bound back there)."""
     root = Path(f"/proc/{holder}/root")
+    mine = {PRIVATE_DIR} | {f"/tmp/{p.relative_to('/tmp').parts[0]}" for p in _under_tmp()}
     shm = [f"/dev/shm/{p.name}" for p in (root / "dev" / "shm").iterdir()]
-    tmp = [f"/tmp/{p.name}" for p in (root / "tmp").iterdir() if f"/tmp/{p.name}" != PRIVATE_DIR]
+    tmp = [f"/tmp/{p.name}" for p in (root / "tmp").iterdir() if f"/tmp/{p.name}" not in mine]
     return sorted(shm + tmp)
 
 
