@@ -8,6 +8,7 @@ own, so what is left there is the job's, whatever else the machine runs."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -153,7 +154,9 @@ def test_a_rank_killed_in_start_up_of_a_replicas_job_leaves_no_host_file(tmp_pat
                 os.kill(pid, signal.SIGCONT)
         code = proc.wait(timeout=60)
         assert code != 0
-        assert "rank 1 " in proc.stderr.read()
+        # The launcher names a rank that died (rank 1, or one mpiexec killed after it:
+        # whose report comes first is a race); what this test guards is the files.
+        assert re.search(r"rank \d+ \(pid \d+ on \S+\) was killed by SIG", proc.stderr.read())
         assert wait_for(lambda: not private_files(holder), WITHIN_S), private_files(holder)
     finally:
         kill_all(proc, holder)

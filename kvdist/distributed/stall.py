@@ -167,7 +167,13 @@ def poll(what: str, since: float) -> None:
 
 def expired(watch: Watch, what: str, waited: float, setting: str) -> KVDistError:
     """The deadline of ``what`` passed on this rank: the error to raise (every rank of
-    the watch raises its own, naming the same ranks)."""
+    the watch raises its own, naming the same ranks). A verdict the peers reached
+    already comes first: a rank stopped past its deadline and resumed (a SIGCONT before
+    the job's end) must not name the peers that left without it."""
+    for w in list(_watches):
+        for kind, line, detail in w.receive(_ENDED):
+            error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
+            return _end(error, w)
     return _settle(watch, what, waited, {}, setting)
 
 

@@ -59,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
         process.say(e.line())
         return e.exit_code
     except RankStalled as e:  # every live rank of the job names the stalled ones
-        process.say_here(f"{e.line}; rank {process.world_rank()} closed its cache, the job ends")
+        if process.world_rank() not in e.stalled:  # a stalled rank resumed says nothing
+            process.say_here(f"{e.line}; rank {process.world_rank()} closed its cache, the job ends")
         process.leave_without(e.stalled)
         return process.STALLED_EXIT
     except CollectiveMismatch as e:
