@@ -16,7 +16,7 @@ from ..engine.scheduler import Scheduler
 from .clock import RealTime, StepTime
 from .driver import Simulation
 from .options import RunOptions
-from .parts import RunParts, close_parts, engine, open_cache
+from .parts import RunParts, abandon, engine, open_cache
 from .replica_job import ReplicaFigures, phases, replica
 from .replica_report import assemble, report
 from .reporters import JobReporter
@@ -63,12 +63,7 @@ def solo(cfg: CacheConfig, opts: RunOptions, comm=None, *, model: Decoder | None
             tp.free()
             raise
     except BaseException:
-        if parts is None:
-            if server is not None:
-                server.close()
-            cache.close(wait_for_peers=False)
-        else:
-            close_parts(parts)
+        abandon(cache, server, parts)
         raise
     return Simulation(cfg, opts, parts, reporter)
 

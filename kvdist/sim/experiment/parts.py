@@ -25,7 +25,7 @@ from .placement import Placement, placements
 from .preflight import StartupFailed, preflight
 from .workload import Trace
 
-__all__ = ["Closing", "RunParts", "close_parts", "engine", "open_cache"]
+__all__ = ["Closing", "RunParts", "abandon", "close_parts", "engine", "open_cache"]
 
 
 class Closing(Protocol):
@@ -51,6 +51,16 @@ class RunParts:
     # A replica's: the whole job's communicator, through which a replica that stops on a
     # signal tells the others (point to point: no collective spans replicas, R3).
     world: TensorParallel | None = None
+
+
+def abandon(cache: KVCache, server: MetricsServer | None, parts: RunParts | None) -> None:
+    """Undo a run's set-up that failed: its parts once built, else the cache and server."""
+    if parts is not None:
+        close_parts(parts)
+        return
+    if server is not None:
+        server.close()
+    cache.close(wait_for_peers=False)
 
 
 def close_parts(parts: RunParts, reporter: Closing | None = None) -> None:

@@ -28,7 +28,7 @@ from .ceiling import StepLog
 from .clock import WallSteps
 from .driver import Simulation
 from .options import RunOptions
-from .parts import RunParts, close_parts, engine, open_cache
+from .parts import RunParts, abandon, engine, open_cache
 from .reporters import describe
 from .results import RankFigures
 from .router import route, split
@@ -139,11 +139,6 @@ def replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorParallel, 
         reporter = ReplicaReporter(world, trace, routes, gate, phase=phase, first=first,
                                    remote=cfg.distributed.remote.enabled)
     except BaseException:
-        if parts is None:
-            if server is not None:
-                server.close()
-            cache.close(wait_for_peers=False)
-        else:
-            close_parts(parts)
+        abandon(cache, server, parts)
         raise
     return Simulation(cfg, opts, parts, reporter)
