@@ -18,6 +18,12 @@ around the same loop. A step is schedule → run → postprocess (nano-vllm's sh
   against its reference digest and a sample of logits (the clock paused) →
   ``end_step`` → ``release`` of finished requests → the reporter's record.
 
+Running ahead, the host waits for nothing but a step's first tokens: the digests of
+the blocks a step reused and wrote are queued behind its pass and compared a step or
+more later, once they are on the host (``readback.Readback``: event-polled, exact, in
+step order); their device time is left out of the clock and the timed figures. Only
+a step with a logits recompute due pauses (and synchronizes) as the serial loop does.
+
 Time is measured around the step, not inside it: the cache calls through
 ``timing.TimedCache``, the phases by ``timing.StepTimes``. Every
 ``distributed.check_consistency_every`` steps the cache runs its own
@@ -51,6 +57,7 @@ from .integrity import BlockLedger
 from .metrics import snapshot_from
 from .options import RunOptions
 from .parts import RunParts, close_parts
+from .readback import Readback, queue_step
 from .timing import CACHE_CALLS, StepTimes, TimedCache
 
 __all__ = ["CACHE_CALLS", "Reporter", "Simulation"]
@@ -114,6 +121,8 @@ class Simulation(Generic[R]):
         self.ledger = BlockLedger(self.cache.layout, self.cache.device, seed=self.w.seed,
                                   defer=self.cache.num_replicas > 1)
         self.verify = Verifier(self.cache, self.model, self.ledger, self.w.verify_logits_every)
+        self.readback = Readback(self.ledger)  # digests queued on the device, compared later
+        self._checks_s = 0.0  # their device time, read back, not yet left out of a step's figures
         self.checks: CheckCounts = self.verify.counts
         self.tolerance = self.verify.tolerance
         self.times = StepTimes()
@@ -130,6 +139,7 @@ class Simulation(Generic[R]):
         """Schedule the next step: ``begin_step``, the plan, the cache calls before the
         forward pass. None when there is nothing to run (the step is closed; ``wait``:
         in real time with nothing arrived, sleep until the next arrival first)."""
+        self._poll()
         t_idle = time.perf_counter()
         now = self.time.before_step(self.sched)  # rank 0's real time on every rank, or None
         t0 = time.perf_counter()
@@ -190,7 +200,7 @@ class Simulation(Generic[R]):
         self.stop = process.decode_stop(stop)
         if self.stop is not None and world is not None:
             world.notify_all(stop)  # the other replicas stop at their next step
-        return launch(self.cache, self.model, step.plan, step.table, step.reused, self.verify, digest=ahead)
+        return launch(self.cache, self.model, step.plan, step.table, step.reused, self.ledger, digest=ahead)
 
     def _release(self, done: list[Running]) -> float:
         """Close the step and release its finished requests; returns the time it took."""
@@ -201,11 +211,24 @@ class Simulation(Generic[R]):
         self.times.cache_api += took
         return took
 
-    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], t_launch: float) -> float:
-        """The step's first tokens are on the host: its figures, then (the clock paused)
-        the checks of what the cache handed back, the ledger's record of what the step
-        wrote, the reporter's record. Returns the pause."""
-        plan, ahead = flight.plan, bool(flight.digests)
+    def _poll(self) -> None:
+        """Compare the queued digests that reached the host (never waits); their device
+        time leaves the clock now and the next step's figures."""
+        took = self.readback.poll()
+        self.time.add_pause(took)
+        self._checks_s += took
+
+    def _take_checks(self) -> float:
+        took, self._checks_s = self._checks_s, 0.0
+        return took
+
+    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], t_launch: float, *,
+                ahead: bool) -> float:
+        """The step's first tokens are on the host: its figures, then the checks of
+        what the cache handed back (serially, or with a logits recompute due: the clock
+        paused; else queued behind the pass and compared later), the reporter's
+        record. Returns the pause."""
+        plan = flight.plan
         ready = time.perf_counter()
         self.times.model += ready - t_launch
         busy = flight.device_seconds()
@@ -213,14 +236,25 @@ class Simulation(Generic[R]):
         computed = sum(len(r.req.prompt) for r in plan.prefills) - sum(flight.reused)
         if computed:  # run ahead, the host's wait also covers the next step's preparation
             self.cache.observe_prefill(computed + len(plan.decodes), busy if ahead else ready - t_launch)
+        if ahead:
+            self.readback.add(flight.digests[0])
+            self._poll()  # the digests that ran before this pass leave the clock before its first tokens
         self._emitted(plan, done)
-        with self.time.paused():  # verification costs no configuration any latency
-            t_check = time.perf_counter()
-            if ahead:  # the digests ran behind the pass; the rest reads no pool
-                self._check(flight)
-            else:
-                self._on_compute_stream(lambda: self._check(flight))
-            paused = time.perf_counter() - t_check
+        paused = 0.0
+        if not ahead or self.verify.logits_due(flight.reused):
+            with self.time.paused():  # verification costs no configuration any latency
+                t_check = time.perf_counter()
+                if ahead:  # the device is synchronized: every queued digest is on the host
+                    drained = self.readback.drain()
+                    self._checks_s += drained
+                    self.verify.logits(plan, flight.reused, flight.result[0])
+                else:
+                    self._on_compute_stream(lambda: self._check(flight))
+                paused = time.perf_counter() - t_check
+            if ahead:  # the pause's start waited for them on the device: out of the clock too
+                self.time.add_pause(drained)
+        else:  # no recompute due: the sample's count moves on, nothing waits
+            self.verify.logits(plan, flight.reused, flight.result[0])
         for run in done:
             self.ledger.release(run.req.rid)
         self.reporter.step(plan, step.appends, done)
@@ -235,7 +269,7 @@ class Simulation(Generic[R]):
         flight = self._launch(step, ahead=False)
         wait(self.cache, flight, self.time.sync)  # the step's first tokens are on the host
         done = self.sched.complete(step.plan)
-        paused = self._finish(flight, step, done, t_launch)
+        paused = self._finish(flight, step, done, t_launch, ahead=False)
         released = self._release(done)
         end = time.perf_counter()
         # The GPU waits for all of the step's cache work.
@@ -255,12 +289,14 @@ class Simulation(Generic[R]):
         self._release(done)
         nxt = None if self.sched.done() else self._prepare(wait=False)
         prepared_at = time.perf_counter()
+        ended = flight.ended()  # CUDA: before the host had prepared step N+1 (an event query)
         wait(self.cache, flight)
-        paused = self._finish(flight, step, done, t_launch)
+        paused = self._finish(flight, step, done, t_launch, ahead=True) + self._take_checks()
         end = time.perf_counter()
         own = 0.0 if step.overlapped else step.t1 - step.t0  # its own preparation, if nothing ran then
-        # The GPU waited for the host's cache work after its pass ended (on CPU: all of it).
-        waited = max(0.0, prepared_at - max(flight.launched_at, flight.device_end()))
+        # The GPU waited for the host's cache work after its pass ended (on CPU: all of it);
+        # none if the pass was still running when the host had prepared the next step.
+        waited = max(0.0, prepared_at - max(flight.launched_at, flight.device_end())) if ended else 0.0
         self.times.count(end - t_launch - paused + own, own + waited)
         self.latency.busy_s += end - t_launch - paused + own
         if nxt is not None:
@@ -279,24 +315,16 @@ class Simulation(Generic[R]):
             lat.finish[run.req.rid] = now
 
     def _check(self, flight: InFlight) -> None:
-        """The reused blocks still hold what attention read (nothing writes them while
-        their sequence holds them), so they are digested after the forward pass (run
-        ahead: queued right behind it): a check before it would make every layer wait
-        for every onboarded block. Then the ledger records what this step wrote
-        (reusable from the next step on)."""
-        plan, table, reused = flight.plan, flight.table, flight.reused
+        """Serially: digest the reused blocks (they still hold what attention read:
+        nothing writes them while their sequence holds them; a check before the pass
+        would make every layer wait for every onboarded block) and the blocks the step
+        wrote, compare them at once, and a sample of logits."""
+        plan, reused = flight.plan, flight.reused
         logits, written, segs = flight.result
-        if flight.digests:
-            self.verify.check_queued(plan, flight.digests[0])
-        else:
-            self.verify.reused_blocks(plan, table, reused)
+        self.readback.add(queue_step(self.cache, self.ledger, self.model.L, plan, flight.table, reused,
+                                     written, segs))
+        self.readback.drain()
         self.verify.logits(plan, reused, logits)
-        base, offset = len(plan.prefills), 0
-        for k, (seg, run) in enumerate(zip(segs, plan.batch)):
-            n = len(seg.tokens)
-            self.ledger.written(run.req.rid, seg.start, written[offset: offset + n],
-                                appended=seg.tokens if k >= base else None)
-            offset += n
 
     def _on_compute_stream(self, work) -> None:
         """Run ``work`` as the step's kernels. On CUDA and on a plain CPU cache it runs
@@ -338,6 +366,7 @@ class Simulation(Generic[R]):
                     self._progress(bar, done)
         finally:
             bar.close()
+        self.readback.drain()  # the last steps' digests
         self.cache.synchronize()
         self.checks.consistency_checks = self.cache.stats()["consistency_checks"]
         return self.reporter.results(self)
