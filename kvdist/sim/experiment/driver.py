@@ -73,7 +73,20 @@ class _Prepared:
     t0: float  # perf_counter at its begin_step
     t1: float  # ... once its block table was staged
     appends: list[tuple[int, int]]  # (request id, decoded token) of its decodes
-    overlapped: bool = False  # prepared while the previous step's forward pass ran
+
+
+@dataclass(slots=True)
+class _Flying:
+    """A step launched, running ahead: closed (``end_step``, its finished requests
+    released) but not yet waited for."""
+
+    step: _Prepared
+    flight: InFlight
+    done: list[Running]  # its finished requests
+    t_launch: float
+    start: float  # its window's start: the previous step's first tokens, or its own begin_step
+    prev: InFlight | None  # the pass it was queued behind
+    late: bool  # that pass had ended before this step was queued (the GPU waited for the host)
 
 
 R = TypeVar("R")
@@ -222,20 +235,20 @@ class Simulation(Generic[R]):
         took, self._checks_s = self._checks_s, 0.0
         return took
 
-    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], t_launch: float, *,
+    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], since: float, *,
                 ahead: bool) -> float:
-        """The step's first tokens are on the host: its figures, then the checks of
-        what the cache handed back (serially, or with a logits recompute due: the clock
-        paused; else queued behind the pass and compared later), the reporter's
-        record. Returns the pause."""
+        """The step's first tokens are on the host (the host waited for them since
+        ``since``): its figures, then the checks of what the cache handed back
+        (serially, or with a logits recompute due: the clock paused; else queued behind
+        the pass and compared later), the reporter's record. Returns the pause."""
         plan = flight.plan
         ready = time.perf_counter()
-        self.times.model += ready - t_launch
+        self.times.model += ready - since
         busy = flight.device_seconds()
         self.times.gpu_busy += busy
         computed = sum(len(r.req.prompt) for r in plan.prefills) - sum(flight.reused)
         if computed:  # run ahead, the host's wait also covers the next step's preparation
-            self.cache.observe_prefill(computed + len(plan.decodes), busy if ahead else ready - t_launch)
+            self.cache.observe_prefill(computed + len(plan.decodes), busy if ahead else ready - since)
         if ahead:
             self.readback.add(flight.digests[0])
             self._poll()  # the digests that ran before this pass leave the clock before its first tokens
@@ -246,7 +259,6 @@ class Simulation(Generic[R]):
                 t_check = time.perf_counter()
                 if ahead:  # the device is synchronized: every queued digest is on the host
                     drained = self.readback.drain()
-                    self._checks_s += drained
                     self.verify.logits(plan, flight.reused, flight.result[0])
                 else:
                     self._on_compute_stream(lambda: self._check(flight))
@@ -277,31 +289,66 @@ class Simulation(Generic[R]):
         self.latency.busy_s += end - step.t0 - paused
         return [run.req.rid for run in done]
 
-    def _step_ahead(self, step: _Prepared) -> tuple[list[int], _Prepared | None]:
-        """Step N run ahead: its forward pass launched, the host prepares step N+1 —
-        releases of N's finished requests, admissions and prefetches, appends,
-        ``block_table`` staged under S3 — and only then waits for N's first tokens.
-        Decode tokens come from the trace, so N+1's appends need nothing N computes.
-        Returns N's finished requests and step N+1 (None: none prepared)."""
+    def _fly(self, step: _Prepared, start: float, prev: _Flying | None, late: bool | None = None) -> _Flying:
+        """Launch a prepared step (behind ``prev``'s pass, if one is in flight), complete
+        its plan and close it: ``end_step``, release of its finished requests. ``late``:
+        whether the GPU waited for its preparation (default: whether ``prev``'s pass had
+        ended by now, an event query that never waits)."""
+        if late is None:
+            late = prev is not None and prev.flight.ended()
         t_launch = time.perf_counter()
         flight = self._launch(step, ahead=True)
         done = self.sched.complete(step.plan)
         self._release(done)
-        nxt = None if self.sched.done() else self._prepare(wait=False)
-        prepared_at = time.perf_counter()
-        ended = flight.ended()  # CUDA: before the host had prepared step N+1 (an event query)
-        wait(self.cache, flight)
-        paused = self._finish(flight, step, done, t_launch, ahead=True) + self._take_checks()
-        end = time.perf_counter()
-        own = 0.0 if step.overlapped else step.t1 - step.t0  # its own preparation, if nothing ran then
-        # The GPU waited for the host's cache work after its pass ended (on CPU: all of it);
-        # none if the pass was still running when the host had prepared the next step.
-        waited = max(0.0, prepared_at - max(flight.launched_at, flight.device_end())) if ended else 0.0
-        self.times.count(end - t_launch - paused + own, own + waited)
-        self.latency.busy_s += end - t_launch - paused + own
-        if nxt is not None:
-            nxt.overlapped = True
-        return [run.req.rid for run in done], nxt
+        return _Flying(step, flight, done, t_launch, start, prev.flight if prev is not None else None, late)
+
+    def _step_ahead(self, cur: _Flying | None) -> tuple[list[int], _Flying | None]:
+        """Step N running ahead (``cur``; None: nothing is in flight, N is prepared and
+        launched now). The host prepares step N+1 — admissions and prefetches, appends,
+        ``block_table`` staged under S3 — and queues its pass behind N's (decode tokens
+        come from the trace: N+1 needs nothing N computes), and only then waits for N's
+        first tokens; N's checks and records are done while N+1 runs. Returns N's
+        finished requests and step N+1 in flight (None: none)."""
+        if cur is None:
+            step = self._prepare()
+            if step is None:
+                return [], None
+            cur = self._fly(step, step.t0, None)
+        step = None if self.sched.done() else self._prepare(wait=False)
+        # A logits recompute due for N pauses (and synchronizes) after N: N+1 waits, prepared.
+        due = self.verify.logits_due(cur.flight.reused)
+        nxt = self._fly(step, 0.0, cur) if step is not None and not due else None
+        wait(self.cache, cur.flight)
+        ready = time.perf_counter()
+        self._finish(cur.flight, cur.step, cur.done, max(cur.t_launch, cur.start), ahead=True)
+        if step is not None and due:  # the GPU waited for the pause, not the cache: its window opens now
+            nxt = self._fly(step, time.perf_counter(), cur, late=False if cur.flight.on_device else None)
+        elif nxt is not None:
+            nxt.start = ready  # its window opens with N's first tokens
+        self._count_ahead(cur, ready)
+        return [run.req.rid for run in cur.done], nxt
+
+    def _count_ahead(self, cur: _Flying, ready: float) -> None:
+        """Step N's figures, running ahead: its window (from the previous step's first
+        tokens, or its own ``begin_step`` if nothing ran before it, to its own) less the
+        checks' pauses, and the cache's host time the GPU waited for: all of its
+        preparation if nothing ran while it was prepared; else, if the pass before it
+        had ended by the time it was queued, the device's gap between the two passes
+        less that pass's digests (CUDA events; on CPU the host is the device: all of its
+        preparation)."""
+        wall = ready - cur.start - self._take_checks()
+        step = cur.step
+        own = step.t1 - step.t0
+        if cur.prev is None:
+            critical = own
+        elif not cur.late:
+            critical = 0.0
+        else:
+            gap = cur.prev.gap_before(cur.flight)
+            digests = cur.prev.digests[0].seconds() if cur.prev.digests else 0.0
+            critical = own if gap is None else max(0.0, gap - digests)
+        self.times.count(max(wall, 0.0), critical)
+        self.latency.busy_s += max(wall, 0.0)
 
     def _emitted(self, plan: StepPlan, done: list[Running]) -> None:
         """Real time: every prefill of the step produced its first token now, ``done``
@@ -347,16 +394,14 @@ class Simulation(Generic[R]):
                    unit="req", desc=self.reporter.label, dynamic_ncols=True, file=sys.stderr,
                    mininterval=0.2 if sys.stderr.isatty() else 5.0)
         self.time.start()
-        ahead: _Prepared | None = None
+        flying: _Flying | None = None
         try:
-            while ahead is not None or not self.sched.done():
+            while flying is not None or not self.sched.done():
                 try:
                     if not self.parts.run_ahead:
                         done = self._step()
                     else:
-                        step = ahead if ahead is not None else self._prepare()
-                        ahead = None
-                        done, ahead = self._step_ahead(step) if step is not None else ([], None)
+                        done, flying = self._step_ahead(flying)
                 except ConsistencyError as e:  # every rank learns it at the same collective
                     self.checks.consistency_error = f"step {self.sched.step}: {e}"
                     break

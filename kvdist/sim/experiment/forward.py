@@ -37,8 +37,6 @@ class InFlight:
     digests: list[StepDigests] = field(default_factory=list)  # queued behind it (run ahead)
     kernel: object | None = None  # the simulated compute stream's op
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the pass
-    started_at: float = 0.0  # perf_counter when the host began to queue it
-    launched_at: float = 0.0  # ... when it had queued it
     host_s: float = 0.0  # the pass's time where the host runs it (CPU, simulated streams)
 
     @property
@@ -46,12 +44,17 @@ class InFlight:
         assert self.out, "the forward pass has not run (wait for it first)"
         return self.out[0]
 
-    def device_end(self) -> float:
-        """When the pass ended on the device, in the host's perf_counter (the device
-        was idle when it was launched: it starts at once); after ``wait``."""
-        if self.events is not None:
-            return self.started_at + self.device_seconds()
-        return self.launched_at
+    @property
+    def on_device(self) -> bool:
+        """The pass runs on a CUDA device (timed by events), not on the host."""
+        return self.events is not None
+
+    def gap_before(self, nxt: InFlight) -> float | None:
+        """The device's time between the end of this pass and the start of ``nxt``
+        (CUDA events; after ``wait`` for ``nxt``), else None."""
+        if self.events is None or nxt.events is None:
+            return None
+        return self.events[1].elapsed_time(nxt.events[0]) / 1e3
 
     def ended(self) -> bool:
         """Whether the pass has ended on the device (never waits). Where the host runs
@@ -71,7 +74,7 @@ def launch(cache: KVCache, model: Decoder, plan: StepPlan, table: torch.Tensor, 
     written blocks right behind it, the reused ones before any later step's copy can
     overwrite them: S4 makes those wait for the compute stream as it is at the next
     ``begin_step``)."""
-    flight = InFlight(plan, table, reused, started_at=time.perf_counter())
+    flight = InFlight(plan, table, reused)
     segs = segments(plan, reused)  # fixed now: the plan's requests move on before a queued pass runs
 
     def forward() -> None:
@@ -98,7 +101,6 @@ def launch(cache: KVCache, model: Decoder, plan: StepPlan, table: torch.Tensor, 
     else:
         forward()
         digests()
-    flight.launched_at = time.perf_counter()
     return flight
 
 
