@@ -240,20 +240,25 @@ class CacheManager:
     def _onboard(self, hits: list[int], fresh: list[int], priority: int) -> list[int]:
         """The prompt's slots: GPU hits as they are, host and disk hits moved into the
         first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
-        gpu_end, tier_of, tpb = self.space.base[HOST], self.space.tier_of, self.tpb
-        prio, hit_tokens, move = self.meta.prio_mv, self.counters.hit_tokens, self.pool.move
+        gpu_end, host_end, tpb = self.space.base[HOST], self.space.base[DISK], self.tpb
+        prio, hit_tokens = self.meta.prio_mv, self.counters.hit_tokens
         slots, k = [], 0
+        runs: tuple[tuple[list[int], list[int]], ...] = (([], []), ([], []))  # host, disk: (src, dst)
         for s in hits:
             if s >= gpu_end:
-                tier = tier_of(s)
-                hit_tokens[tier] += tpb
-                g = fresh[k]
+                run = runs[s >= host_end]
+                run[0].append(s)
+                run[1].append(fresh[k])
+                s = fresh[k]
                 k += 1
-                move(s, g, route(tier, GPU))  # g keeps the reference allocate gave it
-                if prio[g] < priority:
-                    prio[g] = priority
-                s = g
             slots.append(s)
+        for tier, (srcs, dsts) in zip((HOST, DISK), runs):  # no slot in both runs: order is free
+            if srcs:
+                hit_tokens[tier] += len(srcs) * tpb
+                self.pool.move_run(srcs, dsts, route(tier, GPU))  # dsts keep the reference allocate gave
+        for g in fresh[:k]:
+            if prio[g] < priority:
+                prio[g] = priority
         self.pool.submit_moves()
         slots.extend(fresh[k:])
         return slots
