@@ -136,9 +136,10 @@ class BlockPool:
         reference (and at least ``priority``), leaving its eviction list at the first;
         a host or disk hit leaves its eviction list (the caller moves it at once)."""
         self.generation += 1
-        gpu_end, tier_of, lru = self._gpu_end, self.space.tier_of, self.lru
+        gpu_end, host_end, lru = self._gpu_end, self._host_end, self.lru
         ref, prio = self.meta.ref_mv, self.meta.prio_mv
         lru_gpu = lru[GPU]
+        colder: tuple[list[int], list[int]] = ([], [])  # host, disk hits
         for s in hits:
             if s < gpu_end:
                 if ref[s] == 0:
@@ -147,7 +148,10 @@ class BlockPool:
                 if prio[s] < priority:
                     prio[s] = priority
             else:
-                lru[tier_of(s)].remove(s)
+                colder[s >= host_end].append(s)
+        for tier, slots in zip((HOST, DISK), colder):
+            if slots:
+                lru[tier].remove_many(slots)
 
     def unpin(self, slots: list[int]) -> None:
         """Drop one reference from each GPU slot of a released sequence: an unreferenced
@@ -346,13 +350,11 @@ class BlockPool:
         n = min(n, len(lru))
         if n < 2 or len(below) < n or not self.policy.worth_storing(along.dst):
             return
-        victims = [lru.pop_victim() for _ in range(n)]
+        victims = lru.pop_victims(n)
         dsts = below.pop_many(n)
         self.counters.evictions[GPU] += n
         self.move_run(victims, dsts, along)
-        push = self.lru[along.dst].push
-        for d in dsts:
-            push(d)
+        self.lru[along.dst].push_run(dsts)
 
     # -- landing slots (blocks fetched from another replica) ------------------------------------------
     def reserve(self, tier: int) -> int:

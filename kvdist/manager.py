@@ -133,8 +133,8 @@ class CacheManager:
 
     def _tiers_of(self, slots: list[int]) -> list[int]:
         """The tier of each slot."""
-        gpu_end, tier_of = self.space.base[HOST], self.space.tier_of
-        return [GPU if s < gpu_end else tier_of(s) for s in slots]
+        gpu_end, host_end = self.space.base[HOST], self.space.base[DISK]
+        return [GPU if s < gpu_end else HOST if s < host_end else DISK for s in slots]
 
     def _reusable_prefix(self, hashes: list[int], n_tokens: int) -> tuple[list[int], list[int] | None, int]:
         """(the slots of the cached prefix worth reusing: the recompute policy's cut; the
