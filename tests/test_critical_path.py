@@ -149,3 +149,16 @@ def test_cuda_running_ahead_the_pass_and_the_digests_never_synchronize(tmp_path)
         assert not on_path, f"the forward pass or the digests synchronize: {on_path}"
     finally:
         sim.close()
+
+
+# -- the cache's host cost a block (bench manager's breakdown) ---------------------------------
+def test_the_breakdown_moves_the_same_blocks_both_ways():
+    """bench manager's per-call breakdown: a step onboards a whole prompt from the host
+    tier and offloads as many, block by block and in runs alike."""
+    from kvdist.bench.manager import CALLS, breakdown
+
+    runs = [breakdown(64, batch_moves=batch, steps=2) for batch in (False, True)]
+    assert [r.mode for r in runs] == ["block by block", "runs at once"]
+    assert runs[0].moved == runs[1].moved > 64  # a whole prompt onboarded, most of one offloaded
+    for r in runs:
+        assert set(r.calls) == set(CALLS) and all(len(v) == 2 for v in r.calls.values())
