@@ -270,6 +270,7 @@ class Simulation(Generic[R]):
         for run in done:
             self.ledger.release(run.req.rid)
         self.reporter.step(plan, step.appends, done)
+        flight.out.clear()  # its logits and K/V written (GiBs after a long prefill): not held past here
         return paused
 
     def _step(self) -> list[int]:
