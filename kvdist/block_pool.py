@@ -215,10 +215,11 @@ class BlockPool:
         m_src.extend(srcs)
         m_dst.extend(dsts)
         m_route.extend([along] * len(srcs))
-        meta.move_many(srcs, dsts)
+        si, di = np.asarray(srcs, dtype=np.intp), np.asarray(dsts, dtype=np.intp)
+        meta.move_many(si, di)
         self.index.retarget_many(srcs, dsts)
-        meta.state[dsts] = CACHED
-        meta.state[srcs] = FREE
+        meta.state[di] = CACHED
+        meta.state[si] = FREE
         self.free[along.src].push_many(srcs)
         self.counters.blocks_moved[along.name] += len(srcs)
         if self.host_observer is not None:

@@ -186,7 +186,7 @@ class BlockMeta:
         return sum(a.nbytes for a in (self.hash_hi, self.hash_lo, self.prio, self.refcnt,
                                       self.state, self.prev, self.next))
 
-    def move_many(self, srcs: list[int], dsts: list[int]) -> None:
+    def move_many(self, srcs: np.ndarray, dsts: np.ndarray) -> None:
         """``move`` for each pair (the slots of ``dsts`` distinct from those of ``srcs``)."""
         for a in (self.hash_hi, self.hash_lo, self.prio):
             a[dsts] = a[srcs]

@@ -240,28 +240,23 @@ class CacheManager:
     def _onboard(self, hits: list[int], fresh: list[int], priority: int) -> list[int]:
         """The prompt's slots: GPU hits as they are, host and disk hits moved into the
         first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
-        gpu_end, host_end, tpb = self.space.base[HOST], self.space.base[DISK], self.tpb
-        prio, hit_tokens = self.meta.prio_mv, self.counters.hit_tokens
-        slots, k = [], 0
-        runs: tuple[tuple[list[int], list[int]], ...] = (([], []), ([], []))  # host, disk: (src, dst)
-        for s in hits:
-            if s >= gpu_end:
-                run = runs[s >= host_end]
-                run[0].append(s)
-                run[1].append(fresh[k])
-                s = fresh[k]
-                k += 1
-            slots.append(s)
-        for tier, (srcs, dsts) in zip((HOST, DISK), runs):  # no slot in both runs: order is free
+        h = np.asarray(hits, dtype=np.int64)
+        cold = h >= self.space.base[HOST]
+        k = int(cold.sum())
+        slots = h.copy()
+        slots[cold] = fresh[:k]  # in prompt order
+        on_disk = h >= self.space.base[DISK]
+        for tier, pick in ((HOST, cold & ~on_disk), (DISK, on_disk)):  # no slot in both runs: order is free
+            srcs = h[pick].tolist()
             if srcs:
-                hit_tokens[tier] += len(srcs) * tpb
-                self.pool.move_run(srcs, dsts, route(tier, GPU))  # dsts keep the reference allocate gave
-        for g in fresh[:k]:
-            if prio[g] < priority:
-                prio[g] = priority
+                self.counters.hit_tokens[tier] += len(srcs) * self.tpb
+                # The destinations keep the reference allocate gave them.
+                self.pool.move_run(srcs, slots[pick].tolist(), route(tier, GPU))
+        moved = np.asarray(fresh[:k], dtype=np.int64)
+        prio = self.meta.prio
+        prio[moved] = np.maximum(prio[moved], priority)
         self.pool.submit_moves()
-        slots.extend(fresh[k:])
-        return slots
+        return slots.tolist() + fresh[k:]
 
     def prefetch(self, tokens: Iterable[int]) -> int:
         """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``
