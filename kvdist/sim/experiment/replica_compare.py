@@ -56,17 +56,18 @@ REPLICA_CONFIGS: dict[str, tuple[str, bool, bool]] = {
 }
 DEFAULT = tuple(REPLICA_CONFIGS)
 WARM_UP_REQUESTS = 24
+_ANY_PORT = "tcp://127.0.0.1:0"  # events published on loopback, on ports the system picks
 
 
 def _policy(routing: str) -> PolicyMaker:
-    def make(cfg: CacheConfig, replicas: int):
+    def make(cfg: CacheConfig, replicas: int, events: list[tuple[str, str | None]]):
         if routing == "round_robin":
             return RoundRobin(replicas), None
         if routing == "one":
             return OneReplica(), None
         from .kv_events_index import kv_aware  # the `events` extra
 
-        return kv_aware(cfg, replicas)
+        return kv_aware(cfg, replicas, events)
     return make
 
 
@@ -85,6 +86,9 @@ def _timed(cfg: CacheConfig, name: str, opts: RunOptions, comm, world: TensorPar
            ) -> ReplicaFigures:
     routing, remote, _ = REPLICA_CONFIGS.get(name, REPLICA_CONFIGS["isolated"])
     run_cfg = cfg.replace(distributed={"remote": {"enabled": remote}})
+    if routing == "kv" and not cfg.cache.events.enabled:  # the router subscribes to every replica's events
+        run_cfg = run_cfg.replace(cache={"events": {"enabled": True, "endpoint": _ANY_PORT,
+                                                    "replay_endpoint": _ANY_PORT}})
     sim = timed_replica(run_cfg, opts, comm, world=world, trace=trace, phase=name, model=model,
                         policy=_policy(routing),
                         think_s=cfg.workload.think_steps * cfg.workload.step_ms / 1e3)

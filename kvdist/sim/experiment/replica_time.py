@@ -27,14 +27,15 @@ from .kv_router import Policy
 from .options import RunOptions
 from .parts import RunParts, abandon, engine, open_cache
 from .replica_job import ReplicaFigures, ReplicaReporter
-from .route_feed import EventFeed, Inbox, RoutedTime, Router, inbox_endpoints, router_endpoint
+from .route_feed import EventFeed, Inbox, RoutedTime, Router, router_endpoint
 from .workload import Trace
 
 __all__ = ["TimedReporter", "timed_replica"]
 
 # The router's policy and KV-event feed, built on rank 0 once the replicas' caches are
-# open (the feed subscribes to their publishers): (replicas, tokens per block) -> both.
-PolicyMaker = Callable[[CacheConfig, int], tuple[Policy, EventFeed | None]]
+# open (the feed subscribes to their publishers): (config, replicas, every replica's
+# events (endpoint, replay endpoint); None where it publishes none) -> both.
+PolicyMaker = Callable[[CacheConfig, int, list[tuple[str, str | None]]], tuple[Policy, EventFeed | None]]
 
 
 class TimedReporter(ReplicaReporter):
@@ -99,10 +100,12 @@ def timed_replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorPara
                               tokens_per_block=cache.layout.tokens_per_block, gate=gate, open_ended=True)
             placement, model = engine(cfg, cache, tp, comm, model)
             inbox = Inbox() if cache.tp_rank == 0 else None
+            ev = cache.stats()["events"]  # TP rank 0's publisher, where events are on
+            leaders = world.allgather((inbox.endpoint, (ev.get("endpoint"), ev.get("replay_endpoint")))
+                                      if inbox is not None else None, "the inboxes")
+            boxes = [box for box, _ in filter(None, leaders)]
             if world.rank == 0:
-                chosen, events = policy(cfg, cache.num_replicas)
-            boxes = inbox_endpoints(world, inbox)
-            if world.rank == 0:
+                chosen, events = policy(cfg, cache.num_replicas, [pub for _, pub in filter(None, leaders)])
                 router = Router(trace.requests, chosen, boxes, events, think_s=think_s)
             at = router_endpoint(world, router)
             if inbox is not None:

@@ -41,7 +41,7 @@ from ..engine.scheduler import Scheduler
 from .clock import RealTime
 from .kv_router import Policy
 
-__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "inbox_endpoints", "router_endpoint"]
+__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "router_endpoint"]
 
 _CLOSED = -1  # a routed "request id" that says every request was routed
 _POLL_S = 0.005  # an idle leader waits at most this long for its inbox at a time
@@ -141,9 +141,11 @@ class Router:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.origin = 0.0
 
     def start(self, origin: float) -> None:
         """Route from now on; ``origin``: ``time.perf_counter()`` at the job's start."""
+        self.origin = origin
         self._thread = threading.Thread(target=self._run, args=(origin,), name="kvdist-router", daemon=True)
         self._thread.start()
 
@@ -204,6 +206,7 @@ class Router:
         for s in self._out:
             s.send(pickle.dumps([(_CLOSED, 0.0)]))
 
+
     def close(self) -> None:
         """Stop the thread (if it still runs) and free the sockets; raises what the
         thread raised."""
@@ -222,13 +225,6 @@ class Router:
         error, self.error = self.error, None
         if error is not None:
             raise error
-
-
-def inbox_endpoints(world: TensorParallel, inbox: Inbox | None) -> list[str]:
-    """Every replica's inbox endpoint, in replica order (collective over the job: the
-    leaders are the ranks with an inbox, in rank order)."""
-    return [ep for ep in world.allgather(inbox.endpoint if inbox is not None else None, "the inboxes")
-            if ep is not None]
 
 
 def router_endpoint(world: TensorParallel, router: Router | None) -> str:
