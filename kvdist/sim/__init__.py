@@ -40,6 +40,11 @@ def main(args: argparse.Namespace) -> int:
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
                       configs=configs)
+    if opts.compare and replicated:  # an option's mistake first
+        from .experiment.replica_compare import REPLICA_CONFIGS
+
+        if any(c not in REPLICA_CONFIGS for c in configs):
+            raise ConfigError("--configs", given, f"name configurations among {', '.join(REPLICA_CONFIGS)}")
     check_run_size(cfg, args.requests)  # before anything big: distributed.tp_size, the trace and model fit
     if opts.compare is None:
         import torch
@@ -47,11 +52,8 @@ def main(args: argparse.Namespace) -> int:
         opts.compare = not replicated and cfg.cache.device != "cpu" and torch.cuda.is_available()
     try:
         if opts.compare and replicated:
-            from .experiment.replica_compare import REPLICA_CONFIGS, run_replica_compare
+            from .experiment.replica_compare import run_replica_compare
 
-            if any(c not in REPLICA_CONFIGS for c in configs):
-                raise ConfigError("--configs", args.configs,
-                                  f"name configurations among {', '.join(REPLICA_CONFIGS)}")
             results = run_replica_compare(cfg, opts)
         elif opts.compare:
             from .experiment.compare import CONFIGS, run_compare

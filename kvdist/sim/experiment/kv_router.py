@@ -46,6 +46,10 @@ class Policy(Protocol):
         """The replica that served ``rid`` reported it finished."""
         ...
 
+    def stats(self) -> dict[str, int]:
+        """The policy's own figures over the run."""
+        ...
+
 
 class RoundRobin:
     def __init__(self, replicas: int):
@@ -59,6 +63,9 @@ class RoundRobin:
     def finished(self, rid: int) -> None:
         pass
 
+    def stats(self) -> dict[str, int]:
+        return {}
+
 
 class OneReplica:
     """The whole trace to replica 0."""
@@ -68,6 +75,9 @@ class OneReplica:
 
     def finished(self, rid: int) -> None:
         pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
 
 
 class KvAware:
@@ -105,3 +115,7 @@ class KvAware:
     def finished(self, rid: int) -> None:
         replica, need = self._held.pop(rid)
         self.active[replica] -= need
+
+    def stats(self) -> dict[str, int]:
+        """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed."""
+        return {"overlap_blocks": self.overlap_blocks}

@@ -159,7 +159,7 @@ def _run(parts: list[ReplicaFigures], replicas: int) -> dict:
     s["latency"] = _latency(parts)
     lead = next(p for p in parts if p.routes is not None)
     s["routed"] = [lead.routes.count(k) for k in range(replicas)]
-    s["held_turns"] = lead.held_turns
+    s["router"] = lead.router
     s["held_for_fetch"] = sum(r["held_for_prefetch"] for r in s["replicas"])
     s["ok"] = s["ok"] and s["latency"]["requests"] == len(lead.routes)
     return s

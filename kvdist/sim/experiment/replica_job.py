@@ -52,7 +52,7 @@ class ReplicaFigures:
     routes: list[int] | None  # every request's replica (rank 0)
     placement: list[str] | None  # every rank's device (rank 0)
     latency: Latencies | None = None  # a timed run's (TP rank 0 of each replica)
-    held_turns: int = 0  # a timed run's follow-ups the router held for their previous turn (rank 0)
+    router: dict | None = None  # a timed run's router figures (rank 0: route_feed.Router.stats)
 
 
 class ReplicaReporter:

@@ -63,8 +63,9 @@ class TimedReporter(ReplicaReporter):
             self.router.close()  # every request was routed (the schedulers closed): its routes are final
             self.routes = np.asarray(self.router.routes)
         out = super().results(sim)
+        out.figures.requests = sim.sched.total  # routed here (the run's trace is the whole one)
         out.latency = sim.latency if sim.cache.tp_rank == 0 else None
-        out.held_turns = self.router.held_turns if self.router is not None else 0
+        out.router = self.router.stats() if self.router is not None else None
         return out
 
     def close(self) -> None:

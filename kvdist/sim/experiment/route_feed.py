@@ -207,6 +207,10 @@ class Router:
             s.send(pickle.dumps([(_CLOSED, 0.0)]))
 
 
+    def stats(self) -> dict[str, int]:
+        """``held_turns`` and the policy's figures."""
+        return {"held_turns": self.held_turns, **self.policy.stats()}
+
     def close(self) -> None:
         """Stop the thread (if it still runs) and free the sockets; raises what the
         thread raised."""
