@@ -95,6 +95,7 @@ class EventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue = queue.Queue(maxsize=_MAX_QUEUE)
         self._seq = count()
+        self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
         self.dropped = 0  # batches the queue could not take
         self.replays = 0  # replay requests answered
@@ -104,6 +105,7 @@ class EventPublisher:
     def submit(self, records: list[Record]) -> None:
         """Queue one step's records as the next batch (never blocks)."""
         seq = next(self._seq)
+        self.submitted = seq + 1
         try:
             self._queue.put_nowait((seq, time.time(), records))
         except queue.Full:
