@@ -44,5 +44,5 @@ class KVEvents:
 
     def stats(self) -> dict:
         p = self.publisher
-        return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "published": p.published,
-                "dropped": p.dropped, "replays": p.replays}
+        return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "submitted": p.submitted,
+                "published": p.published, "dropped": p.dropped, "replays": p.replays}

@@ -95,6 +95,7 @@ class EventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue = queue.Queue(maxsize=_MAX_QUEUE)
         self._seq = count()
+        self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
         self.dropped = 0  # batches the queue could not take
         self.replays = 0  # replay requests answered
@@ -104,6 +105,7 @@ class EventPublisher:
     def submit(self, records: list[Record]) -> None:
         """Queue one step's records as the next batch (never blocks)."""
         seq = next(self._seq)
+        self.submitted = seq + 1
         try:
             self._queue.put_nowait((seq, time.time(), records))
         except queue.Full:
@@ -129,27 +131,32 @@ class EventPublisher:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        """Publish what is queued, then answer the replay requests waiting: a replay
+        holds every batch submitted before its request came."""
         pack = encoder()
-        pub, replay, topic = self._pub, self._replay, self._topic
+        replay, get = self._replay, self._queue.get
         while True:
-            if replay is not None:
-                while replay.poll(0):
-                    self._serve_replay(replay)
             try:
-                item = self._queue.get(timeout=_POLL_S)
+                item = get(timeout=_POLL_S)
+                while True:
+                    if item is _STOP:
+                        return
+                    self._publish(pack, *item)
+                    item = self._queue.get_nowait()
             except queue.Empty:
-                continue
-            if item is _STOP:
-                return
-            seq, ts, records = item
-            try:
-                payload = pack.encode(KVEventBatch(ts=ts, events=events_of(records, self._block_size),
-                                                   data_parallel_rank=self.data_parallel_rank))
-                pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
-                self._buffer.append((seq, payload))
-                self.published += 1
-            except Exception:  # the stream shows the gap; the thread carries on
-                log.exception("kvdist events: batch %d not published", seq)
+                pass
+            while replay is not None and replay.poll(0):
+                self._serve_replay(replay)
+
+    def _publish(self, pack, seq: int, ts: float, records: list[Record]) -> None:
+        try:
+            payload = pack.encode(KVEventBatch(ts=ts, events=events_of(records, self._block_size),
+                                               data_parallel_rank=self.data_parallel_rank))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._buffer.append((seq, payload))
+            self.published += 1
+        except Exception:  # the stream shows the gap; the thread carries on
+            log.exception("kvdist events: batch %d not published", seq)
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()
