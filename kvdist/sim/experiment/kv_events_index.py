@@ -24,9 +24,9 @@ class EventIndex:
     """One subscriber per replica (``endpoints[k]``: replica k's ``(endpoint, replay
     endpoint)``), their batches applied in sequence order to a :class:`ClusterBlocks`,
     from the first one each publisher still keeps (replayed at the start: a PUB socket
-    drops what it sends before a subscriber's connection is up). A subscriber that
-    lost batches (the publisher's buffer no longer had them) forgets
-    its replica's blocks and replays what the publisher keeps."""
+    drops what it sends before a subscriber's connection is up). Batches a subscriber
+    lost (the publisher's buffer no longer had them) leave its replica's set
+    approximate: a route is then worse, never wrong (``lost`` counts them)."""
 
     def __init__(self, endpoints: Sequence[tuple[str, str | None]], topic: str = ""):
         self._ctx = zmq.Context()
@@ -47,11 +47,11 @@ class EventIndex:
 
     def poll(self) -> None:
         for k, sub in enumerate(self.subs):
-            lost = sub.lost
             self._apply(k, sub.poll(0))
-            if sub.lost != lost:
-                for held in self.blocks.replicas[k].media.values():
-                    held.clear()
+
+    @property
+    def lost(self) -> int:
+        return sum(s.lost for s in self.subs)
 
     def longest_prefix(self, replica: int, hashes: Sequence) -> int:
         return self.blocks.replicas[replica].prefix_blocks(hashes)
