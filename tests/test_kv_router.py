@@ -166,3 +166,29 @@ def test_an_open_scheduler_takes_routed_requests_and_is_done_only_once_closed():
     with pytest.raises(kvdist.ConfigError, match="cache.gpu"):
         Scheduler(Trace([], []), max_batch=4, max_prefill_tokens=100, gpu_blocks=1, tokens_per_block=TPB,
                   open_ended=True).add([_req(1, [1] * 9)])
+
+
+class _Broken(RoundRobin):
+    def choose(self, req: Request) -> int:
+        raise RuntimeError(f"no replica for request {req.rid}")
+
+
+def test_a_failing_router_still_ends_every_replicas_run_and_names_its_error():
+    inboxes = [Inbox(), Inbox()]
+    router = Router([_req(0, [1] * 8)], _Broken(2), [i.endpoint for i in inboxes])
+    try:
+        for i in inboxes:
+            i.connect(router.endpoint)
+        router.start(time.perf_counter())
+        deadline = time.monotonic() + 5
+        while not all(i.closed for i in inboxes):
+            assert time.monotonic() < deadline, "a replica would wait for requests forever"
+            for i in inboxes:
+                assert i.take() == []
+                i.wait(0.01)
+        with pytest.raises(RuntimeError, match="no replica for request 0"):
+            router.close()
+    finally:
+        router.close()
+        for i in inboxes:
+            i.close()

@@ -10,7 +10,8 @@ their clock (:class:`RoutedTime`).
   user sends it after reading the reply): its arrival is then
   ``max(arrival_s, finish + think_s)``. Before every decision the router
   takes in the replicas' KV events (``events``, a :class:`EventFeed`). When every
-  request was routed, every inbox gets ``closed``.
+  request was routed (or the router failed: rank 0 then raises its error at the
+  run's end), every inbox gets ``closed``.
 - :class:`Inbox` (each replica's TP rank 0): takes what was routed there, reports
   finished requests back to the router (their load leaves the router's count).
 - :class:`RoutedTime`: the replica's real-time clock (:class:`~kvdist.sim.experiment.
@@ -160,6 +161,9 @@ class Router:
             self._loop(origin)
         except BaseException as e:  # reported by close(), on the main thread
             self.error = e
+        finally:  # every replica's run ends, even when the router failed
+            for s in self._out:
+                s.send(pickle.dumps([(_CLOSED, 0.0)]))
 
     def _loop(self, origin: float) -> None:
         zmq = _zmq()
@@ -203,8 +207,6 @@ class Router:
             wait = nxt - (time.perf_counter() - origin)
             if wait > 0:
                 poller.poll(max(1, int(1e3 * min(wait, 0.05))))
-        for s in self._out:
-            s.send(pickle.dumps([(_CLOSED, 0.0)]))
 
 
     def stats(self) -> dict[str, int]:
