@@ -4,7 +4,8 @@
   8-byte big-endian sequence number (0, 1, 2, ... with no gap), ``payload`` the msgpack
   :class:`~kvdist.events.wire.KVEventBatch`;
 * a ROUTER socket (``replay_endpoint``) answers a request ``(seq,)`` — 8 bytes big-endian,
-  behind the usual empty delimiter frame of a REQ or DEALER client — with every batch
+  behind an empty delimiter frame (a DEALER sends ``[b"", seq]``; a REQ socket adds the
+  delimiter but takes only the first of the replies) — with every batch
   still kept from ``seq`` on, ``(topic, seq, payload)`` each, then ``(b"", -1, b"")``;
   a request of any other shape gets nothing;
 * the last ``buffer_steps`` batches are kept for replay (a bounded buffer).
