@@ -18,7 +18,7 @@ launch/kvdist-launch -n 4 run (or under mpiexec); one process runs alone. A conf
 or option mistake prints one line naming it and exits with status 2."""
 
 BENCHES = ("manager", "scale", "transfer", "layerwise", "staging", "pin", "goals", "disk", "consensus",
-           "drills", "remote")
+           "drills", "remote", "events")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -173,13 +173,16 @@ def events_cfg(tmp_path, **events):
 
 def churn(cache, chains: Chains, steps: int, seed: int = 0) -> None:
     """Prompts over a few shared prefixes, decode growth, prefetches: blocks offloaded,
-    demoted, dropped from disk, onboarded and promoted back."""
+    demoted, dropped from disk, onboarded and promoted back; blocks filled again while
+    cached (not stored twice)."""
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(1000) for _ in range(4 * TPB)] for _ in range(6)]
     live: dict[tuple[int, int], list[int]] = {}
     for step in range(steps):
         prompt = (rnd.choice(prefixes)[: rnd.randrange(1, 5) * TPB]
                   + [rnd.randrange(1000) for _ in range(rnd.randrange(1, 9))])
+        if step % 7 == 3:  # whole blocks only: the last, cached, is computed again (a private copy)
+            prompt = rnd.choice(prefixes)[: 2 * TPB]
         if step % 5 == 0:
             cache.prefetch(f"p{step}", prompt)
         cache.begin_step()

@@ -45,4 +45,5 @@ class KVEvents:
     def stats(self) -> dict:
         p = self.publisher
         return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "submitted": p.submitted,
-                "published": p.published, "dropped": p.dropped, "replays": p.replays}
+                "published": p.published, "dropped": p.dropped, "replays": p.replays,
+                "thread_seconds": p.thread_seconds}

@@ -4,7 +4,8 @@
   8-byte big-endian sequence number (0, 1, 2, ... with no gap), ``payload`` the msgpack
   :class:`~kvdist.events.wire.KVEventBatch`;
 * a ROUTER socket (``replay_endpoint``) answers a request ``(seq,)`` — 8 bytes big-endian,
-  behind the usual empty delimiter frame of a REQ or DEALER client — with every batch
+  behind an empty delimiter frame (a DEALER sends ``[b"", seq]``; a REQ socket adds the
+  delimiter but takes only the first of the replies) — with every batch
   still kept from ``seq`` on, ``(topic, seq, payload)`` each, then ``(b"", -1, b"")``;
   a request of any other shape gets nothing;
 * the last ``buffer_steps`` batches are kept for replay (a bounded buffer).
@@ -93,12 +94,13 @@ class EventPublisher:
             self._free_sockets()
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.Queue = queue.Queue(maxsize=_MAX_QUEUE)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C: put costs the step least
         self._seq = count()
         self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
         self.dropped = 0  # batches the queue could not take
         self.replays = 0  # replay requests answered
+        self.thread_seconds = 0.0  # CPU time the thread spent publishing (building, encoding, sending)
         self._thread = threading.Thread(target=self._run, name="kvdist-events", daemon=True)
         self._thread.start()
 
@@ -106,9 +108,9 @@ class EventPublisher:
         """Queue one step's records as the next batch (never blocks)."""
         seq = next(self._seq)
         self.submitted = seq + 1
-        try:
-            self._queue.put_nowait((seq, time.time(), records))
-        except queue.Full:
+        if self._queue.qsize() < _MAX_QUEUE:
+            self._queue.put((seq, time.time(), records))
+        else:
             self.dropped += 1
 
     def close(self) -> None:
@@ -149,6 +151,7 @@ class EventPublisher:
                 self._serve_replay(replay)
 
     def _publish(self, pack, seq: int, ts: float, records: list[Record]) -> None:
+        t0 = time.thread_time()
         try:
             payload = pack.encode(KVEventBatch(ts=ts, events=events_of(records, self._block_size),
                                                data_parallel_rank=self.data_parallel_rank))
@@ -157,6 +160,7 @@ class EventPublisher:
             self.published += 1
         except Exception:  # the stream shows the gap; the thread carries on
             log.exception("kvdist events: batch %d not published", seq)
+        self.thread_seconds += time.thread_time() - t0
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()

@@ -43,29 +43,30 @@ class BlockRecorder:
 
     # -- the BlockObserver protocol --------------------------------------------------------------
     def registered(self, slots: list[int], tokens: array, start: int, end: int) -> None:
-        lo, state, info, log, tpb = self._lo, self._state, self._info, self._log, self._tpb
+        lo, state, info, append, tpb = self._lo, self._state, self._info, self._log.append, self._tpb
         parent = lo[slots[start - 1]] if start else None
-        for i in range(start, end):
-            s = slots[i]
+        t = start * tpb
+        for s in slots[start:end]:
             h = lo[s]
             if state[s] == CACHED:
-                rec = (parent, tokens[i * tpb : (i + 1) * tpb])
-                info[s] = rec
-                log.append((STORED, GPU, h, rec))
+                rec = info[s] = (parent, tokens[t : t + tpb])
+                append((STORED, GPU, h, rec))
             parent = h
+            t += tpb
 
     def moved(self, src: int, dst: int) -> None:
-        info = self._info
+        info, host, disk = self._info, self._host, self._disk
         h = self._lo[dst]
         rec = info[src]
         info[src] = None
         info[dst] = rec
-        self._log.append((REMOVED, self._tier(src), h))
-        self._log.append((STORED, self._tier(dst), h, rec))
+        self._log += ((REMOVED, GPU if src < host else (HOST if src < disk else DISK), h),
+                      (STORED, GPU if dst < host else (HOST if dst < disk else DISK), h, rec))
 
     def dropped(self, slot: int) -> None:
         self._info[slot] = None
-        self._log.append((REMOVED, self._tier(slot), self._lo[slot]))
+        self._log.append((REMOVED, GPU if slot < self._host else (HOST if slot < self._disk else DISK),
+                          self._lo[slot]))
 
     def landed(self, slot: int) -> None:
         self._info[slot] = UNKNOWN

@@ -11,6 +11,7 @@ import pytest
 import kvdist
 from kvdist.events import EventSubscriber, ReplicaBlocks, prompt_hashes
 from tests.conftest import make_cfg
+from tests.mpi.replica_harness import need_replicas
 
 pytestmark = pytest.mark.mpi
 
@@ -74,3 +75,45 @@ def test_only_tp_rank_0_of_each_replica_publishes_on_its_port():
         world.barrier()
     finally:
         cache.close()
+
+
+def test_blocks_landed_from_another_replica_are_announced_by_their_hash():
+    """The remote tier: the fetching replica's blocks that landed from the holder are
+    stored by hash alone (no parent, no token ids); each publishing rank's stream still
+    rebuilds exactly what its tiers hold."""
+    from mpi4py import MPI
+
+    from tests.mpi.replica_harness import FETCHER, FULL, HOLDER, PROMPT, Replica, config, exchange_digests
+    from tests.test_events import cache_content
+
+    world = MPI.COMM_WORLD
+    need_replicas(world.size)
+    cfg = config(world=world.size)
+    cfg["cache"]["events"] = {"enabled": True, "endpoint": "tcp://127.0.0.1:0",
+                              "replay_endpoint": "tcp://127.0.0.1:0"}
+    with Replica(cfg) as r:
+        exchange_digests(r, r.hold_prompt() if r.replica == HOLDER else None)
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            assert r.step({"p": PROMPT}, keep=True) == {"p": FULL * 4}
+            assert r.cache.stats()["remote"]["blocks_landed"] == FULL
+            r.d.release("p")
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
+        if r.cache.tp_rank == 0:
+            ev = r.cache.stats()["events"]
+            sub = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])
+            got = sub.catch_up()
+            sub.close()
+            assert [s for s, _ in got] == list(range(ev["submitted"])) and sub.lost == 0
+            blocks = ReplicaBlocks()
+            for _, batch in got:
+                blocks.apply(batch)
+            assert blocks.media == cache_content(r.seams)
+            by_hash_alone = {h for _, b in got for e in b.events
+                             if type(e).__name__ == "BlockStored" and not e.token_ids for h in e.block_hashes}
+            want = set(prompt_hashes(PROMPT, r.cache.layout)[:FULL]) if r.replica == FETCHER else set()
+            assert by_hash_alone == want
+        world.Barrier()
