@@ -18,6 +18,8 @@ full)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import xxhash
 
@@ -140,12 +142,25 @@ class HolderTable:
             assert all(int(self.lo[g]) & self.mask == bucket for g in gs), "a spilled entry of another bucket"
 
 
+class NodeLookup(Protocol):
+    """The node directory as lookups see it (``kvdist.distributed.node_directory``)."""
+
+    epochs: np.ndarray  # the node peers' epochs this rank reads at (in the digest)
+
+    def find(self, hi: int, lo: int) -> int: ...
+    def listed(self) -> int: ...
+    def known(self) -> int: ...
+
+
 class Directory:
     """The mirror of every peer replica's host tier (``host_slots`` slots each) for
-    replica ``me`` of ``num_replicas``. Entry ``g = peer * host_slots + slot``."""
+    replica ``me`` of ``num_replicas``. Entry ``g = peer * host_slots + slot``. The
+    peers on this node (``node``, when there are any) send no records: their blocks
+    are looked up in the node directory, first."""
 
-    def __init__(self, num_replicas: int, me: int, host_slots: int):
+    def __init__(self, num_replicas: int, me: int, host_slots: int, node: NodeLookup | None = None):
         self.num_replicas, self.me, self.host_slots = num_replicas, me, host_slots
+        self.node = node
         n = num_replicas * host_slots
         self.hi = np.zeros(n, dtype=np.uint64)
         self.lo = np.zeros(n, dtype=np.uint64)
@@ -159,8 +174,14 @@ class Directory:
         return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + t.table.nbytes + t.at.nbytes
 
     def __len__(self) -> int:
-        """Blocks the peers hold (one per holder), as far as this mirror knows."""
-        return self.table.live
+        """Blocks the peers hold (one per holder), as far as this rank's lookups see
+        (the node directory's part counted entry by entry: for tests)."""
+        return self.table.live + (self.node.listed() if self.node is not None else 0)
+
+    def known(self) -> int:
+        """Blocks the peers hold, as the mirror and the node peers' latest entries say
+        (cheap: for stats)."""
+        return self.table.live + (self.node.known() if self.node is not None else 0)
 
     def apply(self, messages: list[tuple[int, np.ndarray]]) -> None:
         """Apply ``(peer, records)`` messages, in the order given (each peer's in the
@@ -190,12 +211,15 @@ class Directory:
 
     def match(self, hashes: list[int]) -> list[int]:
         """Entries of the longest run of leading ``hashes`` some peer holds."""
-        find = self.table.find
+        find, node = self.table.find, self.node
         out = []
         for h in hashes:
-            g = find(h >> 64, h & MASK64)
+            hi, lo = h >> 64, h & MASK64
+            g = node.find(hi, lo) if node is not None else EMPTY
             if g < 0:
-                break
+                g = find(hi, lo)
+                if g < 0:
+                    break
             out.append(g)
         return out
 
@@ -210,6 +234,8 @@ class Directory:
         h.update(self.hi)
         h.update(self.lo)
         h.update(self.table.table)
+        if self.node is not None:
+            h.update(self.node.epochs)
         return h.digest()
 
     def check_invariants(self) -> None:

@@ -1,7 +1,9 @@
 """Directory messages between replicas (rule R4), point-to-point on the cross-replica
 communicator: TP rank t of each replica sends its replica's host-tier changes to TP
-rank t of every other replica, one message per peer every few steps (none when nothing
-changed). Nothing blocks: sends are ``Isend`` (buffers kept until complete), receives
+rank t of every other replica that is not a node peer (those read the node directory,
+``node_directory``, where the same changes are listed instead), one message per peer
+every few steps (none when nothing changed). Without such peers nothing is sent or
+probed for. Nothing blocks: sends are ``Isend`` (buffers kept until complete), receives
 are matched with ``Improbe`` and completed with ``Imrecv``, at step boundaries.
 
 MPI keeps the messages of one sender in order, so "the first k messages of peer p"
@@ -22,20 +24,27 @@ import numpy as np
 
 from .comm import keep_alive
 from .directory import RECORD_WORDS
+from .node_directory import NodeDirectory
 
 DIRECTORY_TAG = 11
 
 
 class DirectoryChannel:
     """This rank's directory traffic with its peers (``cross``: the cross-replica
-    communicator, whose rank is the replica index)."""
+    communicator, whose rank is the replica index): messages with ``peers`` (default:
+    every other replica), entries in ``node`` (the node directory, None without node
+    peers)."""
 
-    def __init__(self, cross, me: int, num_replicas: int, token: int = 0):
+    def __init__(self, cross, me: int, num_replicas: int, token: int = 0,
+                 peers: tuple[int, ...] | None = None, node: NodeDirectory | None = None):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.cross, self.me, self.num_replicas = cross, me, num_replicas
+        self.peers = tuple(p for p in range(num_replicas) if p != me) if peers is None else peers
+        self.node = node
         self.token = token
+        self._status = MPI.Status()
         self.header = np.array([[token, num_replicas, me]], dtype=np.uint64)
         self._sending: deque[tuple] = deque()  # (request, buffer) of sends not complete
         self._inbox: list[deque] = [deque() for _ in range(num_replicas)]  # (request, buffer) per peer
@@ -48,16 +57,23 @@ class DirectoryChannel:
         self._open = 0  # messages matched, not yet handed out
 
     def send(self, records: np.ndarray) -> None:
-        """Send one step's records to every peer (nothing when there are none)."""
+        """List one boundary's records in the node directory and send them to every
+        message peer (nothing when there are none). The TP ranks of a replica have the
+        same records at the same boundaries, so they count the node epochs alike."""
         if len(records) == 0:
             return
+        if self.node is not None:
+            w = records[:, 0]
+            self.node.advance((w >> np.uint64(1)).astype(np.int64), (w & np.uint64(1)) != 0,
+                              records[:, 1], records[:, 2])
+        if not self.peers:
+            return
         buf = np.concatenate((self.header, records)).view(np.uint8)
-        for peer in range(self.num_replicas):
-            if peer != self.me:
-                req = self.cross.Isend([buf, self.MPI.BYTE], dest=peer, tag=DIRECTORY_TAG)
-                self._sending.append((req, buf))
-                self.messages_sent += 1
-                self.bytes_sent += buf.nbytes
+        for peer in self.peers:
+            req = self.cross.Isend([buf, self.MPI.BYTE], dest=peer, tag=DIRECTORY_TAG)
+            self._sending.append((req, buf))
+            self.messages_sent += 1
+            self.bytes_sent += buf.nbytes
         self._reap()
 
     def _reap(self) -> None:
@@ -65,8 +81,11 @@ class DirectoryChannel:
             self._sending.popleft()
 
     def poll(self) -> None:
-        """Match every message that has arrived (non-blocking) and reap finished sends."""
-        MPI, status = self.MPI, self.MPI.Status()
+        """Match every message that has arrived (non-blocking) and reap finished sends.
+        Nothing to do without message peers (none can send to this rank)."""
+        if not self.peers:
+            return
+        MPI, status = self.MPI, self._status
         while True:
             msg = self.cross.Improbe(source=MPI.ANY_SOURCE, tag=DIRECTORY_TAG, status=status)
             if msg is None:
@@ -78,8 +97,11 @@ class DirectoryChannel:
         self._reap()
 
     def counts(self) -> np.ndarray:
-        """Per peer: messages this rank has whole, counted from the first ever sent."""
+        """Per peer: messages this rank has whole, counted from the first ever sent;
+        for a node peer, the epoch it has published in the node directory."""
         out = self.taken.copy()
+        if self.node is not None:
+            self.node.observe(out)
         if self._open:
             for peer, box in enumerate(self._inbox):
                 whole = 0
@@ -112,14 +134,23 @@ class DirectoryChannel:
             self._open -= 1
         return out
 
+    def agreed(self, counts: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """What the TP group agreed on (``counts``, as ``counts`` gives them): the node
+        peers are read at their agreed epochs from now on; the message peers' records
+        up to their agreed numbers, as ``(peer, records)`` in order."""
+        if self.node is not None:
+            self.node.use(counts)
+        return [(peer, records) for peer in self.peers for records in self.take(peer, int(counts[peer]))]
+
     def hold(self, on: bool) -> None:
         """Tests: freeze (or thaw) the counts this rank reports, as if later messages
-        were still on their way to it."""
+        (and node epochs) were still on their way to it."""
         self.held = self.counts() if on else None
 
     def close(self) -> None:
-        """Cancel the receives still open. Sends not complete (a peer that is slow,
-        stopped or gone) keep their buffers for the rest of the process."""
+        """Cancel the receives still open, unmap the node directory. Sends not complete
+        (a peer that is slow, stopped or gone) keep their buffers for the rest of the
+        process."""
         self._reap()
         for box in self._inbox:
             for req, buf in box:
@@ -130,3 +161,5 @@ class DirectoryChannel:
             keep_alive(*self._sending)
         self._inbox = [deque() for _ in range(self.num_replicas)]
         self._sending = deque()
+        if self.node is not None:
+            self.node.close()

@@ -92,7 +92,8 @@ class RemoteTier:
     def __init__(self, *, tp, channel: DirectoryChannel, directory: Directory, stamps: SlotStamps,
                  transports: dict[int, Fetcher], server: MessageServer, rules: RemoteRules,
                  slots: LocalSlots, fetch_timeout_s: float, replica: int, num_replicas: int,
-                 bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1):
+                 bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1,
+                 serve: bool = True):
         self.tp = tp  # the TP group's communicator (MpiComm, or SingleComm for TP 1)
         self.channel, self.directory, self.stamps = channel, directory, stamps
         self.transports = transports  # peer replica -> transport
@@ -121,13 +122,15 @@ class RemoteTier:
         # Every fetcher once (one message transport fetches from all peers it reaches).
         self._fetchers = list({id(t): t for t in transports.values()}.values())
         self.server = server  # the holder's side of the message transport: answers peers
+        self.serve = serve  # some peer fetches from this rank by messages (else none asks)
 
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = (), directory: bool = True) -> None:
         """Answer peers, match arrived directory messages (if ``directory``), poll the
         fetches in flight and ``also`` (never blocks)."""
         t0 = time.perf_counter()
-        self.server.service()
+        if self.serve:
+            self.server.service()
         for f in self._fetchers:
             f.progress()
         if directory:
@@ -199,9 +202,9 @@ class RemoteTier:
         return agreed_extra
 
     def _apply(self, agreed_counts: np.ndarray) -> None:
-        """The directory messages up to the agreed count of each peer."""
-        self.directory.apply([(peer, records) for peer in range(self.num_replicas)
-                              for records in self.channel.take(peer, int(agreed_counts[peer]))])
+        """The directory messages up to the agreed count of each message peer; the
+        node peers' agreed epochs."""
+        self.directory.apply(self.channel.agreed(agreed_counts))
 
     # -- agreement and verdicts -----------------------------------------------------------------------
     def _agree(self, counts: np.ndarray | None, batches: list[Batch], what: str,
@@ -431,8 +434,9 @@ class RemoteTier:
             "given_up_here": dict(c.reasons),
             "in_flight_blocks": sum(int((~b.decided).sum()) for b in self.inflight),
             "prefetches": c.prefetches,
-            "directory_blocks": len(self.directory),
+            "directory_blocks": self.directory.known(),
             "directory_bytes": self.directory.nbytes,
+            "node_directory_bytes": node.shape.nbytes if (node := self.channel.node) else 0,
             "directory_records_applied": self.directory.records_applied,
             "directory_messages_sent": self.channel.messages_sent,
             "directory_bytes_sent": self.channel.bytes_sent,
@@ -453,6 +457,8 @@ class RemoteTier:
 
     def check_invariants(self) -> None:
         self.directory.check_invariants()
+        if self.channel.node is not None:
+            self.channel.node.check_invariants()
         expected = np.sort(np.concatenate([b.dst[~b.released] for b in self.inflight])
                            if self.inflight else np.zeros(0, dtype=np.int64))
         assert np.array_equal(expected, self.slots.landing_slots()), \
