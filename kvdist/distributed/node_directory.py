@@ -120,6 +120,7 @@ class NodeDirectory:
         self.epoch = 0  # this replica's epoch (every TP rank counts it)
         if self.writer:
             self._pos = np.full(shape.host_slots, EMPTY, dtype=np.int64)
+            self._owner = np.zeros(shape.buckets, dtype=np.intp)  # scratch: a round's entry per bucket
             self._taken = np.zeros((shape.buckets, WAYS), dtype=bool)
             self._dead: deque[tuple[int, np.ndarray]] = deque()
             self._readers = np.array([shape.replicas.index(p) * t + k for p in peers for k in range(t)],
@@ -139,38 +140,43 @@ class NodeDirectory:
         self.published[self.me, self.tp_rank] = e
 
     def _write(self, slots: np.ndarray, held: np.ndarray, hi: np.ndarray, lo: np.ndarray, e: int) -> None:
-        old = self._pos[slots]
+        pos = self._pos
+        old = pos[slots]
         old = old[old >= 0]
         if len(old):
             self.died[old] = e  # listed up to epoch e - 1
             self._dead.append((e, old))
-            self._pos[slots] = EMPTY
             self._listed -= len(old)
+        pos[slots] = EMPTY
         self._reclaim()
-        slots, lo = slots[held], np.asarray(lo, dtype=np.uint64)[held]
-        b = (lo & np.uint64(self.mask)).astype(np.int64)
-        fps = (lo >> np.uint64(32)).astype(np.uint32).view(np.int32)
-        taken = self._taken
-        while len(slots):
-            free = ~taken[b]
+        if not held.all():
+            slots, lo = slots[held], lo[held]
+        b = (np.asarray(lo, dtype=np.uint64) & np.uint64(self.mask)).astype(np.intp)
+        ids = np.arange(len(b))
+        owner = self._owner
+        while len(b):
+            # A round: each entry takes its bucket's first free way, one entry a bucket
+            # (where several share one, the last in order wins; the others go on to the
+            # next round); an entry whose bucket has no free way is not listed.
+            owner[b] = ids
+            first = owner[b] == ids
+            free = ~self._taken[b]
             way = free.argmax(axis=1)
             fits = free[np.arange(len(b)), way]
-            if not fits.all():
-                self.unlisted += int((~fits).sum())
-                slots, b, fps, way = slots[fits], b[fits], fps[fits], way[fits]
-            _, first = np.unique(b, return_index=True)  # one entry per bucket a round
-            won = np.zeros(len(b), dtype=bool)
-            won[first] = True
-            wb, ww = b[won], way[won]
-            taken[wb, ww] = True
-            pos = (wb * len(self.shape.replicas) + self.me) * WAYS + ww
-            self.born[pos] = e  # first: until died is NEVER, the entry is listed at no epoch
-            self.fp[pos] = fps[won]
-            self.slot[pos] = slots[won]
-            self.died[pos] = NEVER
-            self._pos[slots[won]] = pos
-            self._listed += len(pos)
-            slots, b, fps = slots[~won], b[~won], fps[~won]
+            now = first & fits
+            at = (b[now] * len(self.shape.replicas) + self.me) * WAYS + way[now]
+            self._taken[b[now], way[now]] = True
+            self.born[at] = e  # first: until died is NEVER, the entry is listed at no epoch
+            self.fp[at] = (lo[ids[now]] >> np.uint64(32)).astype(np.uint32).view(np.int32)
+            self.slot[at] = slots[ids[now]]
+            self.died[at] = NEVER
+            pos[slots[ids[now]]] = at
+            self._listed += len(at)
+            if now.all():
+                break
+            self.unlisted += int((first & ~fits).sum())
+            later = ~first
+            b, ids = b[later], ids[later]
         self.live[self.me] = self._listed
 
     def _reclaim(self) -> None:

@@ -121,6 +121,7 @@ class RemoteTier:
         self._agreed: np.ndarray | None = None  # directory counts the last end_step agreed on
         # Every fetcher once (one message transport fetches from all peers it reaches).
         self._fetchers = list({id(t): t for t in transports.values()}.values())
+        self._progressing = [f for f in self._fetchers if type(f).progress is not Fetcher.progress]
         self.server = server  # the holder's side of the message transport: answers peers
         self.serve = serve  # some peer fetches from this rank by messages (else none asks)
 
@@ -131,7 +132,7 @@ class RemoteTier:
         t0 = time.perf_counter()
         if self.serve:
             self.server.service()
-        for f in self._fetchers:
+        for f in self._progressing:  # the transports with work between polls
             f.progress()
         if directory:
             self.channel.poll()
