@@ -66,8 +66,10 @@ class DirectoryChannel:
             w = records[:, 0]
             self.node.advance((w >> np.uint64(1)).astype(np.int64), (w & np.uint64(1)) != 0,
                               records[:, 1], records[:, 2])
-        if not self.peers:
-            return
+        if self.peers:
+            self._post(records)
+
+    def _post(self, records: np.ndarray) -> None:
         buf = np.concatenate((self.header, records)).view(np.uint8)
         for peer in self.peers:
             req = self.cross.Isend([buf, self.MPI.BYTE], dest=peer, tag=DIRECTORY_TAG)

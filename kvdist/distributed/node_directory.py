@@ -112,7 +112,7 @@ class NodeDirectory:
         self._base = [r * shape.host_slots for r in shape.replicas]  # directory entry of slot 0
         self._e = memoryview(self.epochs)
         self._fp_bytes = memoryview(self.fp.view(np.uint8))
-        self._slot, self._born, self._died = memoryview(self.slot), memoryview(self.born), memoryview(self.died)
+        self._slot, self._born, self._died = (memoryview(a) for a in (self.slot, self.born, self.died))
         self.held: np.ndarray | None = None  # tests: epochs frozen (a late publisher)
         # Writer (TP rank 0 with peers): where each host slot's listed entry is, which
         # ways are taken (listed, or dead but maybe still read), dead entries by epoch.
@@ -236,7 +236,8 @@ class NodeDirectory:
         if not self.writer:
             return
         pos = self._pos[self._pos >= 0]
-        assert (self.died[pos] == NEVER).all() and (self.born[pos] <= self.epoch).all(), "a listed entry's epochs"
+        assert (self.died[pos] == NEVER).all() and (self.born[pos] <= self.epoch).all(), \
+            "a listed entry's epochs"
         assert np.array_equal(self.slot[pos], np.flatnonzero(self._pos >= 0)), "an entry names another slot"
         assert self._taken[pos // self.row, pos % WAYS].all(), "a listed entry's way is free"
 

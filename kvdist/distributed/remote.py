@@ -128,7 +128,11 @@ class RemoteTier:
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = (), directory: bool = True) -> None:
         """Answer peers, match arrived directory messages (if ``directory``), poll the
-        fetches in flight and ``also`` (never blocks)."""
+        fetches in flight and ``also`` (never blocks). Nothing at all when no peer can
+        ask, nothing is in flight and no message can come."""
+        if not (self.serve or self._progressing or self.inflight or also
+                or (directory and self.channel.peers)):
+            return
         t0 = time.perf_counter()
         if self.serve:
             self.server.service()
@@ -400,14 +404,16 @@ class RemoteTier:
         and commit raises). Returns the tier each block fetched for the prompt (by its
         prefetch or now) is in, for ``after_add``, which counts the remote hits."""
         seq_id = plan.seq_id
-        landed = self._prefetched.pop(seq_id, set())
-        self._prefetch.pop(seq_id, None)
-        self._deferred.pop(seq_id, None)
+        landed = self._prefetched.pop(seq_id, set()) if self._prefetched else set()
+        if self._prefetch:
+            self._prefetch.pop(seq_id, None)
+        if self._deferred:
+            self._deferred.pop(seq_id, None)
         if plan.fits:
             landed |= self.pull(plan.remote_hashes)
         if len(self._prefetched) > _PREFETCH_RECORDS:  # prefetched, never admitted
             self._prefetched.pop(next(iter(self._prefetched)))
-        return {h: t for h in landed if (t := self.slots.tier_of(h)) is not None}
+        return {h: t for h in landed if (t := self.slots.tier_of(h)) is not None} if landed else {}
 
     def after_add(self, hashes: list[int], tier_of: dict[int, int], reused_tokens: int) -> None:
         """Count the prompt's reused blocks (``hashes[:reused_tokens // tokens per

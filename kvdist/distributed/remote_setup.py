@@ -184,7 +184,8 @@ def _create_node_directory(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLay
         return None
 
 
-def _node_peers(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout, infos: list[dict]) -> tuple[int, ...]:
+def _node_peers(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout,
+                infos: list[dict]) -> tuple[int, ...]:
     """This replica's node peers (see the module docstring): the same on its TP ranks,
     and symmetric, since every rank decides from the same table."""
     where = plan.node_directory(layout, 0)
@@ -250,7 +251,8 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
     serve = any(not (here and plan.nodes[layout.world_rank(p, layout.tp_rank)] == plan.nodes[layout.rank])
                 for p in range(layout.num_replicas) if p != layout.replica)
     return RemoteTier(tp=replicas.tp, channel=channel, serve=serve,
-                      directory=Directory(layout.num_replicas, layout.replica, host.num_blocks, node),
+                      directory=Directory(layout.num_replicas, layout.replica, host.num_blocks, node,
+                                          mirrored=others),
                       stamps=stamps, transports=transports, server=server, rules=rules, slots=slots,
                       fetch_timeout_s=rc.fetch_timeout_ms / 1000, replica=layout.replica,
                       num_replicas=layout.num_replicas, bytes_per_block=host.layout.bytes_per_block,

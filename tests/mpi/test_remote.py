@@ -71,6 +71,12 @@ def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport)
         else:
             r.serve_until(world.Ibarrier())  # messages: the holder answers between its steps
         r.cache.check_consistency()
+        # One node: the replicas list their blocks in the node directory, send no
+        # directory messages and never probe for fetch requests; with messages, both.
+        s = r.cache.stats()["remote"]
+        heard = s["directory_messages_sent"] if r.replica == HOLDER else s["directory_messages_received"]
+        assert (heard > 0, r.remote.serve) == ((False, False) if transport == "auto" else (True, True))
+        assert (s["node_directory_bytes"] > 0) == (transport == "auto")
 
 
 @pytest.mark.parametrize("ride", [True, False], ids=["agreed-at-end_step", "agreed-at-begin_step"])
