@@ -14,7 +14,9 @@ prefix (``take``). Delivery timing can differ between TP ranks; what they apply 
 A message's first row is a header: the job's token (agreed at start-up). A message of
 an earlier cache in the same processes, never received before that cache closed, can
 match this one's receives (MPI reuses a freed communicator's context); it is dropped
-unseen, on every rank alike, before it is counted."""
+unseen, on every rank alike, before it is counted — at once when its sender is no
+peer that sends to this cache (the earlier cache had other replicas or other node
+peers)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ class DirectoryChannel:
         self.cross, self.me, self.num_replicas = cross, me, num_replicas
         self.peers = tuple(p for p in range(num_replicas) if p != me) if peers is None else peers
         self.node = node
+        self._senders = frozenset(self.peers)
+        self._dropping: list[tuple] = []  # (request, buffer) of messages of an earlier cache
         self.token = token
         self._status = MPI.Status()
         self.header = np.array([[token, num_replicas, me]], dtype=np.uint64)
@@ -81,6 +85,8 @@ class DirectoryChannel:
     def _reap(self) -> None:
         while self._sending and self._sending[0][0].Test():
             self._sending.popleft()
+        if self._dropping:
+            self._dropping = [(req, buf) for req, buf in self._dropping if not req.Test()]
 
     def poll(self) -> None:
         """Match every message that has arrived (non-blocking) and reap finished sends.
@@ -93,7 +99,12 @@ class DirectoryChannel:
             if msg is None:
                 break
             buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-            self._inbox[status.Get_source()].append((msg.Irecv([buf, MPI.BYTE]), buf))
+            source, req = status.Get_source(), msg.Irecv([buf, MPI.BYTE])
+            if source not in self._senders:  # an earlier cache's, laid out otherwise: dropped
+                self._dropping.append((req, buf))
+                self.stale_dropped += 1
+                continue
+            self._inbox[source].append((req, buf))
             self.messages_received += 1
             self._open += 1
         self._reap()
@@ -159,8 +170,8 @@ class DirectoryChannel:
                 if not req.Test():
                     req.Cancel()
                     keep_alive(req, buf)
-        if self._sending:
-            keep_alive(*self._sending)
+        if self._sending or self._dropping:
+            keep_alive(*self._sending, *self._dropping)
         self._inbox = [deque() for _ in range(self.num_replicas)]
         self._sending = deque()
         if self.node is not None:

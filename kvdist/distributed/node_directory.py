@@ -151,31 +151,38 @@ class NodeDirectory:
         self._reclaim()
         if not held.all():
             slots, lo = slots[held], lo[held]
-        b = (np.asarray(lo, dtype=np.uint64) & np.uint64(self.mask)).astype(np.intp)
+        lo = np.ascontiguousarray(lo, dtype=np.uint64)
+        fps = lo.view(np.int32)[1::2]  # the high 32 bits of each lo (little-endian)
+        b = (lo & np.uint64(self.mask)).astype(np.intp)
         ids = np.arange(len(b))
-        owner = self._owner
+        owner, taken, me = self._owner, self._taken, self.me * WAYS
         while len(b):
             # A round: each entry takes its bucket's first free way, one entry a bucket
             # (where several share one, the last in order wins; the others go on to the
             # next round); an entry whose bucket has no free way is not listed.
             owner[b] = ids
-            first = owner[b] == ids
-            free = ~self._taken[b]
+            now = owner[b] == ids
+            free = ~taken[b]
             way = free.argmax(axis=1)
-            fits = free[np.arange(len(b)), way]
-            now = first & fits
-            at = (b[now] * len(self.shape.replicas) + self.me) * WAYS + way[now]
-            self._taken[b[now], way[now]] = True
+            fits = free.any(axis=1)
+            single = now.all()
+            if not (single and fits.all()):
+                self.unlisted += int((now & ~fits).sum())
+                later = ~now
+                now &= fits
+                wb, way, ws = b[now], way[now], ids[now]
+            else:
+                wb, ws = b, ids
+            taken[wb, way] = True
+            at = wb * self.row + way + me
             self.born[at] = e  # first: until died is NEVER, the entry is listed at no epoch
-            self.fp[at] = (lo[ids[now]] >> np.uint64(32)).astype(np.uint32).view(np.int32)
-            self.slot[at] = slots[ids[now]]
+            self.fp[at] = fps[ws]
+            self.slot[at] = slots[ws]
             self.died[at] = NEVER
-            pos[slots[ids[now]]] = at
+            pos[slots[ws]] = at
             self._listed += len(at)
-            if now.all():
+            if single:
                 break
-            self.unlisted += int((first & ~fits).sum())
-            later = ~first
             b, ids = b[later], ids[later]
         self.live[self.me] = self._listed
 
