@@ -58,6 +58,24 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         return self.num_layers * self.bytes_per_layer
 
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one layer's K (or V) in one block: the unit an engine's paged
+        tensors hold a block in (``cache.gpu: external``: per layer, K of block b is one
+        piece, V another). A kvdist block is its ``2 * num_layers`` pieces in order
+        (layer 0's K, layer 0's V, layer 1's K, ...): ``piece_offset``."""
+        return self.bytes_per_layer // 2
+
+    def piece_offset(self, layer: int, kv: int) -> int:
+        """Where the piece of ``layer``'s K (``kv`` 0) or V (1) starts in a kvdist block."""
+        return (2 * layer + kv) * self.piece_bytes
+
+    def layers_in(self, span: tuple[int, int]) -> range:
+        """The layers whose K and V fill the byte ``span`` of a block (a layer group's)."""
+        lo, hi = span
+        assert lo % self.bytes_per_layer == 0 and hi % self.bytes_per_layer == 0, f"span {span} cuts a layer"
+        return range(lo // self.bytes_per_layer, hi // self.bytes_per_layer)
+
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block: ``[layer, 2, tokens, heads, dim]``."""
         return (self.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
