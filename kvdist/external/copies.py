@@ -26,7 +26,8 @@ class ExternalCopies:
         self._cold = HostCopies(None, host, disk)  # demote and promote touch no GPU memory
         layout = gpu.layout
         self._all = range(layout.num_layers)
-        self._shape = (layout.num_layers, 2, layout.piece_bytes)
+        pieces = gpu.pieces_of
+        self._shape = (layout.num_layers, pieces.per_layer, pieces.piece_bytes)
         self._handlers: dict[Route, Callable[[list[int], list[int], range], None]] = {
             OFFLOAD: self._offload, ONBOARD: self._onboard, SPILL: self._spill, RELOAD: self._reload}
 
@@ -48,12 +49,15 @@ class ExternalCopies:
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.view(rows.shape[0], *self._shape)
 
-    def gather(self, blocks: list[int], rows: torch.Tensor, layers: range) -> None:
-        """``rows[i]`` (kvdist block bytes) <- the pieces of engine block ``blocks[i]``."""
+    def gather(self, blocks: list[int], rows: torch.Tensor, layers: range,
+               at: list[int] | None = None) -> None:
+        """``rows[at[i]]`` (kvdist block bytes; ``at`` None: ``rows[i]``) <- the pieces
+        of engine block ``blocks[i]``."""
         idx = torch.tensor(blocks, dtype=torch.int64)
         out = self._rows(rows)
+        where = torch.arange(len(blocks)) if at is None else torch.tensor(at, dtype=torch.int64)
         for layer in layers:
-            out[:, layer] = self.gpu.pieces(layer)[:, idx].transpose(0, 1)
+            out[where, layer] = self.gpu.pieces(layer)[:, idx].transpose(0, 1)
 
     def scatter(self, rows: torch.Tensor, blocks: list[int], layers: range) -> None:
         """The pieces of engine block ``blocks[i]`` <- ``rows[i]`` (kvdist block bytes)."""
@@ -63,12 +67,7 @@ class ExternalCopies:
             self.gpu.pieces(layer)[:, idx] = src[:, layer].transpose(0, 1)
 
     def _offload(self, src: list[int], dst: list[int], layers: range) -> None:
-        rows = torch.empty((len(src), self.block_bytes), dtype=torch.uint8)
-        self.gather(src, rows, layers)
-        h = self._rows(self.host.raw)
-        idx = torch.tensor(dst, dtype=torch.int64)
-        for layer in layers:
-            h[idx, layer] = self._rows(rows)[:, layer]
+        self.gather(src, self.host.raw, layers, at=dst)
 
     def _onboard(self, src: list[int], dst: list[int], layers: range) -> None:
         self.scatter(self.host.raw[torch.tensor(src, dtype=torch.int64)], dst, layers)
