@@ -100,6 +100,50 @@ class ExternalGpuTier:
         self._ptrs = np.array(ptrs, dtype=np.int64)
         self._piece_stride = np.array(piece_strides, dtype=np.int64)
         self._block_stride = np.array(block_strides, dtype=np.int64)
+        self._stacked = self._stack(tensors)
+
+    def _stack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """All layers as one ``[layer, per_layer, num_blocks, piece]`` view when they lie
+        in one allocation at a constant distance with equal strides (vLLM's views of one
+        buffer): a block's every layer then moves in one kernel."""
+        n = len(tensors)
+        storage = tensors[0].untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() != storage for t in tensors) or \
+                len(set(self._block_stride.tolist())) != 1 or len(set(self._piece_stride.tolist())) != 1:
+            return None
+        step = int(self._ptrs[1] - self._ptrs[0]) if n > 1 else 0
+        if n > 1 and (step <= 0 or (np.diff(self._ptrs) != step).any()):
+            return None
+        p = self.pieces_of
+        return self._bytes(tensors[0], (n, p.per_layer, self.num_blocks, p.piece_bytes),
+                           (step, int(self._piece_stride[0]) or p.piece_bytes, int(self._block_stride[0]), 1))
+
+    def rows_view(self, rows: torch.Tensor) -> torch.Tensor:
+        """kvdist block rows ``[n, bytes_per_block]`` seen as ``[n, layer, piece, bytes]``."""
+        p = self.pieces_of
+        return rows.view(rows.shape[0], p.num_layers, p.per_layer, p.piece_bytes)
+
+    def gather(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range, at: torch.Tensor) -> None:
+        """``rows[at[i]]``'s ``layers`` (kvdist block bytes) <- the pieces of engine block
+        ``blocks[i]`` (index tensors on the rows' device; one kernel a layer, or one in
+        all when the layers are stacked)."""
+        out = self.rows_view(rows)
+        if self._stacked is not None:
+            a, b = layers.start, layers.stop
+            out[at, a:b] = self._stacked[a:b][:, :, blocks].permute(2, 0, 1, 3)
+            return
+        for layer in layers:
+            out[at, layer] = self._views[layer][:, blocks].transpose(0, 1)
+
+    def scatter(self, rows: torch.Tensor, blocks: torch.Tensor, layers: range) -> None:
+        """The pieces of ``layers`` of engine block ``blocks[i]`` <- ``rows[i]``."""
+        src = self.rows_view(rows)
+        if self._stacked is not None:
+            a, b = layers.start, layers.stop
+            self._stacked[a:b][:, :, blocks] = src[:, a:b].permute(1, 2, 0, 3)
+            return
+        for layer in layers:
+            self._views[layer][:, blocks] = src[:, layer].transpose(0, 1)
 
     @staticmethod
     def _bytes(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -126,6 +170,12 @@ class ExternalGpuTier:
                + b * self._block_stride[sl][None, :, None])
         return out.astype(np.uint64)
 
+    @property
+    def stacked(self) -> bool:
+        """Whether every layer moves in one kernel (``gather``, ``scatter``)."""
+        return self._stacked is not None
+
     def close(self) -> None:
         """Forget the engine's tensors (the engine frees them)."""
         self._views = []
+        self._stacked = None
