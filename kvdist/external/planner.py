@@ -136,14 +136,12 @@ class ExternalPlanner:
         hashes = list(self._prompt(prompt).hashes[first:first + len(want)])
         slots = self.index.match(hashes)
         job = len(self._jobs)
-        lru = self.pool.lru
-        for s, e in zip(slots, want):
-            tier = self.space.tier_of(s)
+        tiers = [self.space.tier_of(s) for s in slots]
+        for s, tier, e in zip(slots, tiers, want):
             route = ONBOARD if tier == HOST else RELOAD
             self._rows.append((_ROUTE_ID[route], s - self.space.base[tier], e, job))
-            lru[tier].remove(s)  # most recently used now
-            lru[tier].push(s)
             self.counters.hit_tokens[tier] += self.tpb
+        self._touch(hashes[:len(slots)])
         loaded, failed = tuple(want[:len(slots)]), tuple(want[len(slots):])
         self._jobs.append(Job(request_id, LOAD, loaded, failed))
         return LoadPlan(request_id, loaded, failed, len(slots) * self.tpb)
@@ -178,9 +176,20 @@ class ExternalPlanner:
             assert landed, "a hash not indexed a moment ago is indexed"
             saved.append(int(e))
             self.counters.blocks_moved[route.name] += 1
+        self._touch(hashes)
         self._jobs.append(Job(request_id, SAVE, tuple(saved)))
         return SavePlan(request_id, tuple(saved), held, dropped)
 
+    def _touch(self, hashes) -> None:
+        """The prompt's blocks kvdist holds become their tiers' most recently used, the
+        tail first: a prefix is evicted from its end."""
+        lru, find, tier_of = self.pool.lru, self.index.find, self.space.tier_of
+        for h in reversed(hashes):
+            s = find(h)
+            if s != NO_SLOT:
+                t = tier_of(s)
+                lru[t].remove(s)
+                lru[t].push(s)
     # -- shipping -----------------------------------------------------------------------------------
     def take(self) -> Transfers:
         """The copies queued since the last call, in order, and their jobs (for the
