@@ -96,11 +96,13 @@ class ExternalCache:
 
     # -- the engine's tensors ------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *,
-                 kv_dim: int = 0) -> None:
+                 kv_dim: int = 0, gather: str = "auto") -> None:
         """The engine's paged KV tensors, one per layer in layer order (a mapping keeps
-        its order: vLLM's ``{layer_name: tensor}``), shaped ``[2, num_blocks, block_size,
-        num_kv_heads, head_size]`` (``kv_dim=1``: ``[num_blocks, 2, ...]``). Raises
-        ConfigError naming the layer whose tensor does not match the config."""
+        its order: vLLM's ``{layer_name: tensor}``): vLLM 0.33's ``[num_blocks, heads,
+        block_size, 2 * head_size]`` views, or ``[2, num_blocks, block_size, heads,
+        head_size]`` (``kv_dim=1``: ``[num_blocks, 2, ...]``); see ``kvdist.external.tier``.
+        ``gather``: how CUDA copies move a block's pieces (``kvdist.external.cuda``).
+        Raises ConfigError naming the layer whose tensor does not match the config."""
         self._live()
         assert self._gpu is None, "the engine's KV tensors are registered once"
         names = list(kv_caches) if isinstance(kv_caches, Mapping) else None
@@ -113,8 +115,9 @@ class ExternalCache:
         if gpu.device.type == "cuda":
             from .cuda import ExternalCudaExecutor
 
-            executor: Executor = ExternalCudaExecutor(gpu, host, disk, gpu.device, path=seams.copy_path,
-                                                      log=seams.batch_log, groups=groups)
+            executor: Executor = ExternalCudaExecutor(
+                gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
+                gather=gather, min_piece=self.config.cache.min_copy_piece)
         elif simulate_async(self.config):
             executor = SimExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log, groups=groups)
         else:

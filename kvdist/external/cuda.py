@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..layout import LayerGroups
+from ..staging import CudaH2D, Stager
 from ..storage import DiskPool, HostPool
 from ..transfer.cuda import CudaExecutor
 from ..transfer.executors import BatchLog
@@ -35,6 +36,7 @@ from .tier import ExternalGpuTier
 __all__ = ["GATHER_MODES", "STAGE_BYTES", "ExternalCudaExecutor"]
 
 GATHER_MODES = ("auto", "staged", "direct")
+INDEX_SLOTS = 32  # staging ring slots for the staged path's block ids (one a layer group a batch)
 STAGE_BYTES = 64 << 20  # a stream's staging buffer
 
 
@@ -53,6 +55,8 @@ class ExternalCudaExecutor(CudaExecutor):
         self.gather = gather
         self._stage_blocks = max(1, stage_bytes // self.block_bytes)
         self._stages: dict[int, torch.Tensor] = {}  # by stream
+        # The engine block ids a staged batch's kernels index by, host -> device (S3).
+        self._stager = Stager(CudaH2D(device), slots=INDEX_SLOTS) if device.type == "cuda" else None
         pieces = gpu.pieces_of
         self._offsets = np.array([[pieces.offset(layer, p) for p in range(pieces.per_layer)]
                                   for layer in range(pieces.num_layers)], dtype=np.int64)
@@ -103,12 +107,13 @@ class ExternalCudaExecutor(CudaExecutor):
         lo, hi = span if span is not None else (0, self.block_bytes)
         part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
         k = self._stage_blocks
+        ids = self._indices(st, np.asarray(blocks, dtype=np.int64))
         for i in range(0, len(at), k):
-            a, b = np.asarray(at[i:i + k], dtype=np.int64), np.asarray(blocks[i:i + k], dtype=np.int64)
+            a = np.asarray(at[i:i + k], dtype=np.int64)
             n = len(a)
             here = np.arange(n, dtype=np.int64)
+            idx = ids[i:i + n]
             with self._on(st):
-                idx = torch.from_numpy(b).to(self.device)  # pageable: consumed before this returns (S3)
                 if to_gpu:
                     self.copier.copy(st, part(rows), part(stage), a, here, src_chunk=chunk)
                     self.gpu.scatter(stage[:n], idx, layers)
@@ -116,10 +121,19 @@ class ExternalCudaExecutor(CudaExecutor):
                     self.gpu.gather(idx, stage, layers, at=torch.arange(n, device=self.device))
                     self.copier.copy(st, part(stage), part(rows), here, a, dst_chunk=chunk)
 
+    def _indices(self, st, blocks: np.ndarray) -> torch.Tensor:
+        """``blocks`` on the device, valid on ``st``: through the staging ring (S3: the
+        host buffer is not rewritten before the copy out of it has run); on CPU as is."""
+        if self._stager is None:
+            return torch.from_numpy(blocks)
+        return self._stager.stage(blocks, st)
+
     def _on(self, st):
         """Kernels queued inside go on ``st`` (no-op off CUDA: the executor's tests on CPU)."""
         return torch.cuda.stream(st) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def close(self) -> None:
         super().close()
+        if self._stager is not None:
+            self._stager.close()
         self._stages.clear()
