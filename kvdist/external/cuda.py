@@ -70,8 +70,12 @@ class ExternalCudaExecutor(CudaExecutor):
     def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
                    span: tuple[int, int] | None = None, **chunks: int) -> None:
         gpu = self.gpu
-        if src_rows is not gpu and dst_rows is not gpu:
-            return super()._rows_copy(st, src_rows, dst_rows, s, d, span, **chunks)
+        if src_rows is not gpu and dst_rows is not gpu:  # host and bounce rows: as CudaExecutor does
+            lo, hi = span if span is not None else (0, self.block_bytes)
+            if span is not None:
+                src_rows, dst_rows, chunks = src_rows[:, lo:hi], dst_rows[:, lo:hi], {}
+            self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
+            return
         to_gpu = dst_rows is gpu
         rows, at, blocks = (src_rows, s, d) if to_gpu else (dst_rows, d, s)
         chunk = chunks.get("src_chunk" if to_gpu else "dst_chunk", 0)
