@@ -241,3 +241,22 @@ def test_a_planner_numbering_other_tiers_than_the_workers_is_refused(pair):
     assert worker.tier_plan == TierPlan(8, 0) and worker.tiers == ("host",)
     assert BLOCK_BYTES == kvdist.load_config(config()).model.num_layers * 2 * T * 2 * 4 * 2
     assert block_bytes(kv, 0, 0).numel() == BLOCK_BYTES // L
+
+
+def test_the_workers_figures_feed_the_planners_cut(pair, tmp_path):
+    """A worker's measured load bandwidth and the engine's prefill rate, agreed by the
+    planner: a prefill far faster than any copy makes loading pointless."""
+    kv = vllm_kv(8)
+    planner, worker = pair(config(), kv)
+    planner.plan_save("a", PROMPT, [0, 1])
+    worker.start(planner.take())
+    planner.plan_load("b", PROMPT, [4, 5])
+    worker.start(planner.take())
+    worker.synchronize()
+    worker.observe_prefill(10 ** 12, 1.0)  # a trillion tokens a second
+    figures = worker.figures()
+    assert figures[0] > 0 and figures[2] == 10 ** 12  # host bytes/s measured; prefill as observed
+    assert planner.lookup(PROMPT) == 2 * T
+    planner.agree(figures)
+    assert planner.lookup(PROMPT) == 0
+    assert worker.stats()["blocks_moved"] == {"offload": 2, "onboard": 2}

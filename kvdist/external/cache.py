@@ -36,7 +36,7 @@ from ..distributed.consensus import Committed, InitStatus
 from ..errors import CacheClosedError, KVDistError
 from ..layout import KVLayout
 from ..manager import DEMOTE_BATCH_BYTES
-from ..recompute_policy import UNKNOWN
+from ..recompute_policy import RecomputePolicy
 from ..seams import Seams
 from ..storage import DiskPool, HostPool
 from ..transfer import DEMOTE, RELOAD, SPILL, Executor, SimExecutor, SyncExecutor, TransferEngine
@@ -92,6 +92,8 @@ class ExternalCache:
         self._executor: Executor | None = None
         self._inflight: dict[tuple[str, Hashable], list] = {}  # (kind, request) -> events
         self._failed: set[int] = set()
+        self._policy = RecomputePolicy(self.layout.bytes_per_block, self.layout.tokens_per_block)
+        self._moved: dict[str, int] = {}  # blocks copied, by route
         self._closed = False
 
     # -- the engine's tensors ------------------------------------------------------------------
@@ -158,11 +160,12 @@ class ExternalCache:
         assert (touched < gpu.num_blocks).all(), "an engine block id beyond the registered tensors"
         engine.compute_uses(touched)  # S4: copies of these blocks follow the compute stream so far
         engine.begin_step()
-        job = transfers.job
+        job, moved = transfers.job, self._moved
         for i, route in enumerate(routes):
             if job[i] in dropped:
                 continue
             engine.copy(route, int(src[i]), int(dst[i]))
+            moved[route.name] = moved.get(route.name, 0) + 1
         engine.flush()
         loads = []
         for j, jb in enumerate(transfers.jobs):
@@ -216,14 +219,19 @@ class ExternalCache:
         out, self._failed = self._failed, set()
         return out
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds``: the recompute side
+        of the planner's onboard-or-recompute decision (``figures``)."""
+        self._policy.observe_prefill(tokens, seconds)
+
     def figures(self) -> list[int]:
-        """Onboard bandwidths measured here, for the planner's recompute policy
-        (``ExternalPlanner.agree``, after a MIN over the TP ranks)."""
-        bw = {1: 0.0, 2: 0.0}
+        """This rank's running means of the load bandwidth from each tier (the copies
+        the executor timed) and of the prefill rate (``observe_prefill``), for the
+        planner's recompute policy: ``ExternalPlanner.agree`` takes their MIN over the
+        TP ranks (``RecomputePolicy.FIGURES`` order)."""
         for route, nbytes, seconds in self.executor.take_timings():
-            if seconds > 0:
-                bw[route.src] = max(bw[route.src], nbytes / seconds)
-        return [int(bw[1]) or UNKNOWN, int(bw[2]) or UNKNOWN, UNKNOWN]
+            self._policy.observe_copy(route.src, nbytes, seconds)
+        return self._policy.local_figures()
 
     def synchronize(self) -> None:
         """The host waits until every issued copy has run."""
@@ -236,7 +244,8 @@ class ExternalCache:
                 "tier_plan": {"host_blocks": self.tier_plan.host_blocks,
                               "disk_blocks": self.tier_plan.disk_blocks},
                 "engine_blocks": self._gpu.num_blocks if self._gpu is not None else 0,
-                "in_flight": len(self._inflight),
+                "in_flight": len(self._inflight), "blocks_moved": dict(self._moved),
+                "block_bytes": self.layout.bytes_per_block,
                 "transfer_batches": e.stats.batches if e is not None else 0,
                 "transfer": self._executor.stats() if self._executor is not None else {},
                 "rank": self.rank, "world_size": self.world_size}
