@@ -10,7 +10,7 @@ import torch
 
 import kvdist
 from kvdist.errors import ConfigError, KVDistError
-from kvdist.external import ExternalPlanner, LoadPlan, SavePlan, TierPlan, create
+from kvdist.external import ExternalPlanner, Finished, LoadPlan, SavePlan, TierPlan, create
 
 from .external_kv import BLOCK_BYTES, L, T, block_bytes, config, snapshot, split_kv, vllm_kv
 
@@ -133,6 +133,19 @@ def test_a_block_evicted_between_lookup_and_load_is_reported_failed(pair):
     assert worker.failed_blocks() == set()  # drained
     assert worker.finished().loaded == {"c"}
     _check(kv, before, {8: 0})
+
+
+def test_a_load_whose_every_block_failed_is_still_reported_finished(pair):
+    kv = vllm_kv(8)
+    planner, worker = pair(config(host_blocks=1), kv)
+    planner.plan_save("a", PROMPT, [0])
+    worker.start(planner.take())
+    assert planner.lookup(PROMPT) == T
+    planner.plan_save("b", [3] * (T + 1), [1])  # takes the only slot
+    assert planner.plan_load("c", PROMPT, [6]) == LoadPlan("c", (), failed=(6,), tokens=0)
+    worker.start(planner.take())
+    assert worker.finished() == Finished(saved=frozenset({"a", "b"}), loaded=frozenset({"c"}))
+    assert worker.failed_blocks() == {6}
 
 
 def test_the_external_load_drill_fails_every_load_of_the_rank(pair, monkeypatch):

@@ -173,8 +173,9 @@ class ExternalCache:
                 continue
             mine = job == j
             events = engine.pending_events(np.concatenate((src[mine], dst[mine])))
-            if events or jb.blocks:
-                self._inflight.setdefault((jb.kind, jb.request_id), []).extend(events)
+            # Every job is reported by finished(), one with nothing to copy at once (a load
+            # whose blocks all failed: the engine must not wait for it forever).
+            self._inflight.setdefault((jb.kind, jb.request_id), []).extend(events)
             if jb.kind == LOAD:
                 self._failed.update(jb.failed)
                 loads.extend(events)
