@@ -161,11 +161,14 @@ class ExternalCache:
         engine.compute_uses(touched)  # S4: copies of these blocks follow the compute stream so far
         engine.begin_step()
         job, moved = transfers.job, self._moved
-        for i, route in enumerate(routes):
-            if job[i] in dropped:
-                continue
-            engine.copy(route, int(src[i]), int(dst[i]))
-            moved[route.name] = moved.get(route.name, 0) + 1
+        keep = ~np.isin(job, list(dropped)) if dropped else np.ones(len(job), dtype=bool)
+        rid = np.where(keep, transfers.route.astype(np.int64), -1)
+        cuts = np.flatnonzero(rid[1:] != rid[:-1]) + 1 if len(rid) else rid
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.append(cuts, len(rid)).tolist()):
+            if hi > lo and rid[lo] >= 0:  # a run of one route, in order: copied as one call
+                route = routes[lo]
+                engine.copy_many(route, src[lo:hi], dst[lo:hi])
+                moved[route.name] = moved.get(route.name, 0) + hi - lo
         engine.flush()
         loads = []
         for j, jb in enumerate(transfers.jobs):
