@@ -1,6 +1,6 @@
 """``cache.gpu: external`` on a real GPU (marked ``gpu``: ``make gpu-test``): the worker
-path over CUDA tensors laid out as vLLM lays out its KV, both ways of moving a block's
-pieces (``direct``, ``staged``), the engine's layers in one allocation or one each,
+path over CUDA tensors laid out as vLLM lays out its KV, every way of moving a block
+(``direct``, ``staged``, ``rows``), the engine's layers in one allocation or one each,
 whole and by layer group: saved blocks loaded into other engine blocks hold their
 bytes, layer by layer, and no other engine block changes."""
 
@@ -19,8 +19,8 @@ PROMPT = list(range(1000, 1000 + 6 * T + 1))
 
 
 @pytest.mark.parametrize("groups", [1, L], ids=["whole", "by-layer"])
-@pytest.mark.parametrize("order", ["LBNHC", "separate"])
-@pytest.mark.parametrize("gather", ["direct", "staged"])
+@pytest.mark.parametrize("gather,order", [(g, o) for g in ("direct", "staged")
+                                          for o in ("LBNHC", "separate", "BLNHC")] + [("rows", "BLNHC")])
 def test_saved_blocks_load_into_other_engine_blocks_on_cuda(gather, order, groups, tmp_path):
     cfg = config(host_blocks=4, disk_blocks=8, disk_path=str(tmp_path), layer_groups=groups)
     cfg["cache"]["device"] = "cuda"

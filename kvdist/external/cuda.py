@@ -1,8 +1,8 @@
 """The CUDA executor with the engine's tensors as the GPU tier (``cache.gpu: external``).
 Everything but the GPU side of a copy is ``CudaExecutor``'s (streams, events, layer
 groups, disk workers, bounce buffers, the ordering it is handed); a copy that touches
-the engine's blocks moves each block as its pieces (``ExternalGpuTier``), one of two
-ways:
+the engine's blocks moves each block as the engine holds it (``ExternalGpuTier``), one
+of three ways:
 
 * ``direct``: every piece is one entry of a batched copy (``cudaMemcpyBatchAsync``)
   between its host bytes and its place in the engine's tensor: ``num_layers x pieces``
@@ -14,10 +14,13 @@ ways:
   pieces into the engine's blocks or gathers them out, on the same stream. The stream's
   order keeps the staging buffer safe across chunks; its memory is ``stage_bytes`` a
   stream, allocated on first use.
+* ``rows``: where every block's layers are one contiguous run in kvdist's order (vLLM's
+  cross-layer, block-outermost layouts), whole blocks, exactly as kvdist's own GPU tier
+  moves them: a batched copy of N entries (a layer group's bytes of each block).
 
-``auto`` is ``staged`` when a piece is smaller than ``min_piece`` (the copy engines'
-full-rate size, ``cache.min_copy_piece``), else ``direct``. ``scripts/gpu/external_probe.py``
-measures both."""
+``auto`` is ``rows`` where it can be, else ``staged`` when a piece is smaller than
+``min_piece`` (the copy engines' full-rate size, ``cache.min_copy_piece``), else
+``direct``. ``scripts/gpu/external_probe.py`` measures them side by side."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from .tier import ExternalGpuTier
 
 __all__ = ["GATHER_MODES", "STAGE_BYTES", "ExternalCudaExecutor"]
 
-GATHER_MODES = ("auto", "staged", "direct")
+GATHER_MODES = ("auto", "rows", "staged", "direct")
 INDEX_SLOTS = 32  # staging ring slots for the staged path's block ids (one a layer group a batch)
 STAGE_BYTES = 64 << 20  # a stream's staging buffer
 
@@ -48,11 +51,13 @@ class ExternalCudaExecutor(CudaExecutor):
                  log: BatchLog | None = None, groups: LayerGroups | None = None, gather: str = "auto",
                  min_piece: int = 256 << 10, stage_bytes: int = STAGE_BYTES):
         assert gather in GATHER_MODES, f"gather is one of {GATHER_MODES}, not {gather!r}"
+        if gather == "auto":
+            gather = ("rows" if gpu.rows is not None else
+                      "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct")
+        assert gather != "rows" or gpu.rows is not None, "the engine's blocks are not whole rows"
+        self.gather = gather  # before CudaExecutor asks for _gpu_rows
         super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
                          groups=groups)
-        if gather == "auto":
-            gather = "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct"
-        self.gather = gather
         self._stage_blocks = max(1, stage_bytes // self.block_bytes)
         self._stages: dict[int, torch.Tensor] = {}  # by stream
         # The engine block ids a staged batch's kernels index by, host -> device (S3).
@@ -62,7 +67,9 @@ class ExternalCudaExecutor(CudaExecutor):
                                   for layer in range(pieces.num_layers)], dtype=np.int64)
 
     def _gpu_rows(self):
-        return self.gpu  # the tier itself: _rows_copy moves its blocks piece by piece
+        """The engine's blocks as whole rows (``rows``), else the tier itself: then
+        ``_rows_copy`` moves each block piece by piece."""
+        return self.gpu.rows if self.gather == "rows" else self.gpu
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked}

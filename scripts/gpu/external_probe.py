@@ -3,8 +3,8 @@ engine's own paged KV tensors, laid out as vLLM 0.33 lays them out, at 16-token 
 of Llama-3-8B (32 layers, 128 head dim, bf16) at TP 1 (8 KV heads: 64 KiB a layer, 2
 MiB a block) and TP 8 (1 KV head: 8 KiB a layer, 256 KiB a block).
 
-    python3 scripts/gpu/external_probe.py [--gib 1] [--tp 1,8] [--gather staged,direct]
-        [--alloc one,per-layer] [--groups auto,32] [--rounds 3] [--json FILE]
+    python3 scripts/gpu/external_probe.py [--gib 1] [--tp 1,8] [--gather auto,direct]
+        [--alloc one,per-layer,blocks] [--groups auto,32] [--rounds 3] [--json FILE]
 
 Per configuration, ``--gib`` of blocks a direction, engine block ids drawn at random
 from tensors of twice that many blocks, through exactly what a connector calls:
@@ -23,11 +23,14 @@ transfer`` measures it) and ``bench transfer``'s batched offload / onboard of sc
 whole blocks of the same size (kvdist's own GPU tier), run here (``--no-bench`` skips
 it). The goal (issue 28): >= 90% of ``bench transfer``'s figures.
 
-``--gather``: how a block's pieces move (``kvdist/external/cuda.py``): ``direct``, an entry
-a piece in one cudaMemcpyBatchAsync (64 entries a block); ``staged``, whole blocks
-through a device staging buffer, then one kernel a layer group scatters the pieces.
-``--alloc``: the engine's layers in ``one`` buffer (vLLM's views of one allocation: one
-kernel moves every layer of a group) or an allocation ``per-layer``."""
+``--gather``: how a block moves (``kvdist/external/cuda.py``): ``direct``, an entry a
+piece (a layer's) in one cudaMemcpyBatchAsync, 32 entries a block; ``staged``, whole
+blocks through a device staging buffer, then one kernel a layer group scatters the
+pieces; ``rows``, whole blocks straight (only where a block's layers are adjacent);
+``auto`` (the default of a cache): ``rows`` where it can, else ``staged`` for pieces
+under 256 KiB. ``--alloc``: the engine's layers in ``one`` LBNHC buffer (one kernel moves
+every layer of a group), an allocation ``per-layer``, or ``blocks``: vLLM's cross-layer
+BLNHC buffer, where a block's layers are adjacent."""
 
 from __future__ import annotations
 
@@ -48,8 +51,9 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0, help="bytes moved a direction (GiB)")
     p.add_argument("--tp", default="1,8")
-    p.add_argument("--gather", default="staged,direct")
-    p.add_argument("--alloc", default="one,per-layer")
+    p.add_argument("--gather", default="auto,direct",
+                   help="auto: rows where the layout allows (--alloc blocks), else staged or direct")
+    p.add_argument("--alloc", default="one,per-layer,blocks")
     p.add_argument("--groups", default="auto", help="cache.layer_groups values, e.g. auto,32")
     p.add_argument("--stage-mib", type=int, default=64, help="staging buffer a stream (MiB)")
     p.add_argument("--rounds", type=int, default=3)
@@ -59,8 +63,13 @@ def _args() -> argparse.Namespace:
 
 
 def _engine_kv(n_blocks: int, heads: int, alloc: str) -> list[torch.Tensor]:
-    """vLLM 0.33's per-layer views [blocks, heads, tokens, 2*D] in LBNHC order."""
+    """vLLM 0.33's per-layer views [blocks, heads, tokens, 2*D]: LBNHC in ``one`` buffer or
+    an allocation ``per-layer``; ``blocks``: BLNHC, vLLM's cross-layer layout (a block's
+    layers adjacent)."""
     shape = (n_blocks, T, heads, 2 * D)
+    if alloc == "blocks":
+        flat = torch.empty((n_blocks, L, T, heads, 2 * D), dtype=torch.bfloat16, device=DEVICE)
+        return [flat[:, i].permute(0, 2, 1, 3) for i in range(L)]
     if alloc == "one":
         flat = torch.empty((L, *shape), dtype=torch.bfloat16, device=DEVICE)
         return [flat[i].permute(0, 2, 1, 3) for i in range(L)]
