@@ -55,7 +55,6 @@ def _args() -> argparse.Namespace:
                    help="auto: rows where the layout allows (--alloc blocks), else staged or direct")
     p.add_argument("--alloc", default="one,per-layer,blocks")
     p.add_argument("--groups", default="auto", help="cache.layer_groups values, e.g. auto,32")
-    p.add_argument("--stage-mib", type=int, default=64, help="staging buffer a stream (MiB)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-bench", action="store_true", help="skip bench transfer's figures")
     p.add_argument("--json", default=None)
