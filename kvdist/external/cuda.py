@@ -11,9 +11,9 @@ of three ways:
 * ``staged``: whole kvdist blocks (their layer group's bytes) are copied between host
   and a device staging buffer at the copy engines' full rate, and one kernel a layer
   group (a layer, where the engine's layers are separate allocations) scatters the
-  pieces into the engine's blocks or gathers them out, on the same stream. The stream's
-  order keeps the staging buffer safe across chunks; its memory is ``stage_bytes`` a
-  stream, allocated on first use.
+  pieces into the engine's blocks or gathers them out, on a side stream, half the
+  buffer at a time so that copies and kernels overlap (``_staged``); its memory is
+  ``stage_bytes`` a stream, allocated on first use.
 * ``rows``: where every block's layers are one contiguous run in kvdist's order (vLLM's
   cross-layer, block-outermost layouts), whole blocks, exactly as kvdist's own GPU tier
   moves them: a batched copy of N entries (a layer group's bytes of each block).
