@@ -130,3 +130,4 @@ def test_auto_stages_pieces_smaller_than_the_copy_engines_full_rate(fake_cuda):
     assert (staged.gather, direct.gather) == ("staged", "direct")
     rows = ExternalCudaExecutor(ExternalGpuTier(LAYOUT, vllm_kv(4, "BLNHC")), None, None, torch.device("cpu"))
     assert rows.gather == "rows"
+
