@@ -17,7 +17,7 @@ from .distributed import remote_setup
 from .distributed.consensus import Committed, InitStatus, InitTiming, establish, outliers
 from .distributed.remote import RemoteTier
 from .distributed.replicas import ReplicaComms, ReplicaLayout
-from .errors import CacheClosedError, ConsistencyError, StepOrderError
+from .errors import CacheClosedError, ConfigError, ConsistencyError, StepOrderError
 from .eviction import DEFAULT_PRIORITY
 from .landing import ManagerSlots
 from .layout import KVLayout
@@ -397,6 +397,9 @@ def create(cfg: CacheConfig | dict | str, comm=None) -> KVCache:
 def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
     """``create`` with test seams (``kvdist.testing.create``)."""
     cfg = load_config(cfg)
+    if cfg.cache.gpu == "external":
+        raise ConfigError("cache.gpu", "external", "the engine owns the GPU tier: build the workers' side "
+                          "with kvdist.external.create, the scheduler's with kvdist.external.ExternalPlanner")
     timing = InitTiming()
     with timing.clock("consensus"):
         c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)

@@ -141,7 +141,10 @@ class EventsConfig(_Section):
 class CacheSection(_Section):
     tokens_per_block: int = Field(default=16, gt=0)
     device: str = "auto"
-    gpu: GpuTierConfig
+    # "external": the engine owns the paged KV tensors and the GPU prefix cache; kvdist
+    # keeps the host and disk tiers behind kvdist.external (docs/design.md, "An
+    # engine-owned GPU tier").
+    gpu: GpuTierConfig | Literal["external"]
     host: HostTierConfig = HostTierConfig()
     disk: DiskTierConfig = DiskTierConfig()
     enable_reuse: bool = True
@@ -167,6 +170,13 @@ class CacheSection(_Section):
     def _positive_groups(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v <= 0:
             raise ValueError("must be a positive int or 'auto'")
+        return v
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _sized_or_external(cls, v: object) -> object:
+        if not isinstance(v, dict | GpuTierConfig) and v != "external":
+            raise ValueError("give {blocks: N}, {bytes: SIZE}, {memory_fraction: F} or external")
         return v
 
     @field_validator("tokens_per_block")
@@ -301,7 +311,9 @@ def _merge(base: dict, over: dict) -> dict:
 
 def _to_config_error(err: ValidationError) -> ConfigError:
     e = err.errors()[0]
-    key = ".".join(str(p) for p in e["loc"]) or "<config>"
+    # A union's member appears in the location as a tag (cache.gpu's "function-after[...]"):
+    # the key is the config's own path.
+    key = ".".join(str(p) for p in e["loc"] if "[" not in str(p)) or "<config>"
     kind = e["type"]
     if kind == "extra_forbidden":
         return ConfigError(key, e["input"], "unknown key")
@@ -363,12 +375,33 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     if cfg.distributed.remote.enabled and cfg.cache.host.bytes == 0:
         raise ConfigError("distributed.remote.enabled", True,
                           "the remote tier needs a host tier (cache.host.bytes > 0)")
+    if cfg.cache.gpu == "external":
+        _check_external(cfg)
     _check_disk_dir(cfg.cache.disk)
     ev = cfg.cache.events
     if ev.enabled and ev.replay_endpoint == ev.endpoint and not ev.endpoint.endswith(":0"):
         raise ConfigError("cache.events.replay_endpoint", ev.replay_endpoint,
                           "the same as cache.events.endpoint: give the replay socket its own")
     return cfg
+
+
+def _check_external(cfg: CacheConfig) -> None:
+    """``cache.gpu: external``: the engine's scheduler plans host and disk slots from
+    the config alone (kvdist.external.ExternalPlanner), so their sizes must be given, and
+    there must be a tier for kvdist to keep."""
+    c = cfg.cache
+    if c.host.bytes == "auto":
+        raise ConfigError("cache.host.bytes", "auto", "with cache.gpu: external give a size: the engine's "
+                          "scheduler plans host slots from the config")
+    if c.host.bytes == 0 and not (c.disk.bytes and c.disk.path):
+        raise ConfigError("cache.gpu", "external", "needs a host or disk tier (cache.host.bytes or "
+                          "cache.disk.bytes with cache.disk.path) for kvdist to keep")
+    if cfg.distributed.remote.enabled:
+        raise ConfigError("distributed.remote.enabled", True, "the remote tier is not built for "
+                          "cache.gpu: external yet")
+    if c.events.enabled:
+        raise ConfigError("cache.events.enabled", True, "kvdist publishes no KV cache events with "
+                          "cache.gpu: external yet (the engine publishes its own)")
 
 
 def _check_disk_dir(disk: DiskTierConfig) -> None:

@@ -5,7 +5,9 @@ Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``bu
 (any other error while building the local cache), ``fallback_build`` (error while
 rebuilding without the host tier), ``stall`` (the rank never reaches the consensus
 collective), ``remote_fetch`` (every fetch of the remote tier fails on that rank: its
-replica must then reuse none of those blocks, rule R1). ``site@*`` fails every rank.
+replica must then reuse none of those blocks, rule R1), ``external_load`` (with
+``cache.gpu: external``, that rank's loads are not issued and their engine blocks are
+reported failed, so the engine recomputes them). ``site@*`` fails every rank.
 
 Where each site fires: ``build`` and ``host_tier`` while the local candidate is built
 (the latter only when a host tier is planned), ``fallback_build`` while it is rebuilt
@@ -21,7 +23,7 @@ import time
 
 from .errors import ConfigError, ConsensusTimeout, HostTierUnavailable, KVDistError
 
-SITES = ("host_tier", "build", "fallback_build", "stall", "remote_fetch")
+SITES = ("host_tier", "build", "fallback_build", "stall", "remote_fetch", "external_load")
 ENV = "KVDIST_FAULTS"
 
 

@@ -21,6 +21,9 @@ def main(args: argparse.Namespace) -> int:
     or the options, or a failed start, is one line from rank 0; Ctrl-C or SIGTERM stops
     every rank at the same step and closes the caches."""
     cfg = load_config(args.config)  # first: a config mistake is reported before torch loads
+    if cfg.cache.gpu == "external":
+        raise ConfigError("cache.gpu", "external",
+                          "the main job runs its own engine: give the GPU tier a size")
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port", args.metrics_port, "a TCP port is 1..65535")
     if args.rate is not None:

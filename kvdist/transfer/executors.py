@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,10 +14,24 @@ from ..storage import DiskPool, GpuPool, HostPool
 from .contract import TIMED, Event, ExecutorCounters, Timing
 from .routes import DEMOTE, OFFLOAD, ONBOARD, PROMOTE, RELOAD, SPILL, Route
 
-__all__ = ["DONE", "BatchLog", "HostCopies", "NullExecutor", "SyncExecutor"]
+__all__ = ["DONE", "BatchLog", "Copies", "HostCopies", "NullExecutor", "SyncExecutor"]
 
 # Tests: each submitted batch as (route name, tier-local sources, tier-local destinations).
 BatchLog = list[tuple[str, list[int], list[int]]]
+
+
+class Copies(Protocol):
+    """The copies a CPU executor runs: ``HostCopies`` (kvdist's own GPU tier) or
+    ``kvdist.external.ExternalCopies`` (the engine's tensors)."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def run(self, route: Route, src: list[int], dst: list[int], vectorized: bool) -> None:
+        """The copies ``src[i] -> dst[i]`` (tier-local slots) of one batch."""
+
+    def run_span(self, route: Route, src: list[int], dst: list[int], span: tuple[int, int]) -> None:
+        """Bytes ``span`` of each block only (OFFLOAD and ONBOARD by layer group)."""
 
 
 class HostCopies:
@@ -28,6 +43,10 @@ class HostCopies:
         self._handlers: dict[Route, Callable[[list[int], list[int], bool], None]] = {
             OFFLOAD: self._offload, ONBOARD: self._onboard, DEMOTE: self._demote,
             SPILL: self._spill, RELOAD: self._reload, PROMOTE: self._promote}
+
+    @property
+    def block_bytes(self) -> int:
+        return self.gpu.layout.bytes_per_block
 
     def run(self, route: Route, src: list[int], dst: list[int], vectorized: bool) -> None:
         self._handlers[route](src, dst, vectorized)
@@ -94,7 +113,7 @@ class SyncExecutor:
     compute_wait_seconds = 0.0  # compute is the host: it never waits for a copy
     layered = False  # every copy is done when submitted
 
-    def __init__(self, copies: HostCopies, log: BatchLog | None = None):
+    def __init__(self, copies: Copies, log: BatchLog | None = None):
         self.copies = copies
         self.log = log
         self.counters = ExecutorCounters()
@@ -107,7 +126,7 @@ class SyncExecutor:
         t0 = time.perf_counter()
         self.copies.run(route, s, d, vectorized=True)
         if route in TIMED:
-            self._timings.append((route, len(s) * self.copies.gpu.raw.shape[1], time.perf_counter() - t0))
+            self._timings.append((route, len(s) * self.copies.block_bytes, time.perf_counter() - t0))
         return DONE
 
     def take_timings(self) -> list[Timing]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..layout import LayerGroups
 from .contract import TIMED, Event, ExecutorCounters, Timing
-from .executors import BatchLog, HostCopies
+from .executors import BatchLog, Copies
 from .routes import OFFLOAD, ONBOARD, STREAMS, Route
 
 __all__ = ["SimDeadlock", "SimExecutor", "SimGroups", "SimOp"]
@@ -77,7 +77,7 @@ class SimExecutor:
 
     path = "simulated"
 
-    def __init__(self, copies: HostCopies | None, log: BatchLog | None = None,
+    def __init__(self, copies: Copies | None, log: BatchLog | None = None,
                  groups: LayerGroups | None = None):
         self.copies = copies
         self.groups = groups if groups is not None and len(groups) > 1 else None
@@ -122,7 +122,7 @@ class SimExecutor:
                 route, len(src) * (hi - lo), lambda span=(lo, hi): copy(route, src, dst, span)),
                 [e.ops[g] if isinstance(e, SimGroups) else e for e in deps])
                 for g, (lo, hi) in enumerate(self.groups.spans)])
-        nbytes = len(src) * (self.copies.gpu.raw.shape[1] if self.copies is not None else 0)
+        nbytes = len(src) * (self.copies.block_bytes if self.copies is not None else 0)
         return self.enqueue(route.stream, self._timed(
             route, nbytes, lambda: self.copies.run(route, src, dst, vectorized=False)), deps)
 

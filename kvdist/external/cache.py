@@ -1,0 +1,295 @@
+"""A worker rank's side of ``cache.gpu: external``: kvdist's host and disk tiers (built
+by the start-up consensus, ``kvdist.external.create``), the engine's KV tensors once it
+registers them, and the transfer engine that issues the planner's copies between them.
+
+Per engine step (docs/design.md, "An engine-owned GPU tier"):
+
+* ``start(transfers)``, before the forward pass: the planner's copies, issued in their
+  order through the transfer engine (rules S1, S2 on the engine's block ids, which are
+  the GPU tier's slots); every copy touching an engine block first waits for the
+  compute stream's work queued so far (S4: a save reads a block the last forward pass
+  wrote; a load overwrites a block whose last reader may still run). Then the compute
+  stream is made to wait for the loads alone, layer by layer (S5); saves run behind
+  the forward pass.
+* ``wait_layer(layer)``, before attention reads ``layer``: S5 for that layer's group.
+* ``finished()``: the requests whose loads or saves have completed since the last call;
+  ``failed_blocks()``: engine block ids whose loads failed (the engine recomputes them).
+
+Who holds what: while a request's load or save is in flight, its engine blocks belong
+to the transfer: the engine must neither free, reuse nor read them (the connector holds
+them until ``finished`` names the request). kvdist's own slots need no holding: their
+reuse is ordered after every copy reading them (S2)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import faults
+from ..backend import simulate_async
+from ..blocks import SlotSpace
+from ..config import CacheConfig
+from ..distributed.consensus import Committed, InitStatus
+from ..errors import CacheClosedError, KVDistError
+from ..layout import KVLayout
+from ..manager import DEMOTE_BATCH_BYTES
+from ..recompute_policy import RecomputePolicy
+from ..seams import Seams
+from ..storage import DiskPool, HostPool
+from ..transfer import DEMOTE, RELOAD, SPILL, Executor, SimExecutor, SyncExecutor, TransferEngine
+from ..transfer.bounce import bounce_blocks
+from .copies import ExternalCopies
+from .plan import LOAD, SAVE, TierPlan, Transfers
+from .tier import ExternalGpuTier
+
+__all__ = ["ExternalCache", "ExternalTiers", "Finished"]
+
+
+@dataclass(slots=True)
+class ExternalTiers:
+    """The tiers one rank built at start-up (a consensus candidate until committed)."""
+
+    host: HostPool | None = None
+    disk: DiskPool | None = None
+
+    def teardown(self) -> None:
+        for pool in (self.disk, self.host):
+            if pool is not None:
+                pool.close()
+        self.disk = self.host = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Requests whose copies have all completed since the last ``finished()``."""
+
+    saved: frozenset
+    loaded: frozenset
+
+
+class ExternalCache:
+    """One worker rank's tiers and copies (see the module docstring)."""
+
+    def __init__(self, cfg: CacheConfig, tiers: ExternalTiers, comm, device: torch.device,
+                 init: Committed, seams: Seams | None = None):
+        self.config = cfg
+        self.layout = KVLayout.from_config(cfg)
+        self.device = device
+        self.rank: int = comm.rank
+        self.world_size: int = comm.size
+        self.init_status: InitStatus = init.status
+        self.tier_plan = TierPlan(init.capacity[1], init.capacity[2])
+        self.tiers: tuple[str, ...] = tuple(
+            n for n, c in (("host", init.capacity[1]), ("disk", init.capacity[2])) if c)
+        self._comm = comm
+        self._parts = tiers
+        self._seams = seams or Seams()
+        self._gpu: ExternalGpuTier | None = None
+        self._engine: TransferEngine | None = None
+        self._executor: Executor | None = None
+        self._inflight: dict[tuple[str, Hashable], list] = {}  # (kind, request) -> events
+        self._failed: set[int] = set()
+        self._policy = RecomputePolicy(self.layout.bytes_per_block, self.layout.tokens_per_block)
+        self._moved: dict[str, int] = {}  # blocks copied, by route
+        self._closed = False
+
+    # -- the engine's tensors ------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *,
+                 kv_dim: int = 0, gather: str = "auto") -> None:
+        """The engine's paged KV tensors, one per layer in layer order (a mapping keeps
+        its order: vLLM's ``{layer_name: tensor}``): vLLM 0.33's ``[num_blocks, heads,
+        block_size, 2 * head_size]`` views, or ``[2, num_blocks, block_size, heads,
+        head_size]`` (``kv_dim=1``: ``[num_blocks, 2, ...]``); see ``kvdist.external.tier``.
+        ``gather``: how CUDA copies move a block's pieces (``kvdist.external.cuda``).
+        Raises ConfigError naming the layer whose tensor does not match the config."""
+        self._live()
+        assert self._gpu is None, "the engine's KV tensors are registered once"
+        names = list(kv_caches) if isinstance(kv_caches, Mapping) else None
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+        gpu = ExternalGpuTier(self.layout, tensors, names, kv_dim=kv_dim)
+        host, disk = self._parts.host, self._parts.disk
+        groups = self.layout.layer_groups(self.layout.groups_for(self.config.cache.layer_groups,
+                                                                 self.config.cache.min_copy_piece))
+        seams = self._seams
+        if gpu.device.type == "cuda":
+            from .cuda import ExternalCudaExecutor
+
+            executor: Executor = ExternalCudaExecutor(
+                gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
+                gather=gather, min_piece=self.config.cache.min_copy_piece)
+        elif simulate_async(self.config):
+            executor = SimExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log, groups=groups)
+        else:
+            executor = SyncExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log)
+        bpb = self.layout.bytes_per_block
+        limits = {DEMOTE: max(1, DEMOTE_BATCH_BYTES // bpb), RELOAD: bounce_blocks(bpb),
+                  SPILL: bounce_blocks(bpb)}
+        space = SlotSpace((gpu.num_blocks, self.tier_plan.host_blocks, self.tier_plan.disk_blocks))
+        self._engine = TransferEngine(space, executor, seams=seams.engine_seams(), block_id=lambda s: s,
+                                      batch_limits=limits)
+        self._gpu, self._executor = gpu, executor
+
+    @property
+    def num_engine_blocks(self) -> int:
+        return self._registered().num_blocks
+
+    @property
+    def executor(self) -> Executor:
+        """The copy executor (tests hold its simulated streams; the GPU probe reads its figures)."""
+        self._registered()
+        return self._executor
+
+    # -- one engine step --------------------------------------------------------------------------
+    def start(self, transfers: Transfers) -> None:
+        """Issue the planner's copies in their order (see the module docstring); the
+        compute stream then waits for the loads among them, layer by layer."""
+        gpu = self._registered()
+        if transfers.tiers != self.tier_plan:
+            raise KVDistError(f"the planner numbers slots for {transfers.tiers}, but the ranks committed "
+                              f"{self.tier_plan}: build ExternalPlanner with the workers' tier_plan")
+        engine = self._engine
+        base = engine.space.base
+        routes = transfers.routes()
+        src = transfers.src + np.array([base[r.src] for r in routes], dtype=np.int64)
+        dst = transfers.dst + np.array([base[r.dst] for r in routes], dtype=np.int64)
+        dropped = self._drill(transfers)
+        touched = np.concatenate((src[src < base[1]], dst[dst < base[1]]))
+        assert (touched < gpu.num_blocks).all(), "an engine block id beyond the registered tensors"
+        engine.compute_uses(touched)  # S4: copies of these blocks follow the compute stream so far
+        engine.begin_step()
+        job, moved = transfers.job, self._moved
+        keep = ~np.isin(job, list(dropped)) if dropped else np.ones(len(job), dtype=bool)
+        rid = np.where(keep, transfers.route.astype(np.int64), -1)
+        cuts = np.flatnonzero(rid[1:] != rid[:-1]) + 1 if len(rid) else rid
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.append(cuts, len(rid)).tolist()):
+            if hi > lo and rid[lo] >= 0:  # a run of one route, in order: copied as one call
+                route = routes[lo]
+                engine.copy_many(route, src[lo:hi], dst[lo:hi])
+                moved[route.name] = moved.get(route.name, 0) + hi - lo
+        engine.flush()
+        loads = []
+        for j, jb in enumerate(transfers.jobs):
+            if j in dropped:
+                continue
+            mine = job == j
+            events = engine.pending_events(np.concatenate((src[mine], dst[mine])))
+            # Every job is reported by finished(), one with nothing to copy at once (a load
+            # whose blocks all failed: the engine must not wait for it forever).
+            self._inflight.setdefault((jb.kind, jb.request_id), []).extend(events)
+            if jb.kind == LOAD:
+                self._failed.update(jb.failed)
+                loads.extend(events)
+        if "S5" in engine.rules:
+            self._executor.compute_wait(loads, layered=self._executor.layered)
+
+    def _drill(self, transfers: Transfers) -> set[int]:
+        """Fault drill ``external_load@rank``: this rank's loads fail (not issued; their
+        blocks reported failed)."""
+        if not faults.active("external_load", self.rank):
+            return set()
+        out = set()
+        for j, jb in enumerate(transfers.jobs):
+            if jb.kind == LOAD and jb.blocks:
+                out.add(j)
+                self._failed.update(jb.blocks + jb.failed)
+                self._inflight.setdefault((LOAD, jb.request_id), [])
+        return out
+
+    def wait_layer(self, layer: int) -> None:
+        """Before attention reads ``layer``: the compute stream waits for the copies of
+        that layer's group of the loads ``start`` issued (S5 per layer)."""
+        self._registered()
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.layout.num_layers - 1}")
+        if self._executor.layered and "S5" in self._engine.rules:
+            self._executor.wait_layer(layer)
+
+    def finished(self) -> Finished:
+        """The requests whose loads (``loaded``) or saves (``saved``) have all completed
+        since the last call; their engine blocks are the engine's again."""
+        self._registered()
+        done = self._executor.is_done
+        out: dict[str, set] = {LOAD: set(), SAVE: set()}
+        for key in [k for k, evs in self._inflight.items() if all(done(e) for e in evs)]:
+            del self._inflight[key]
+            out[key[0]].add(key[1])
+        return Finished(frozenset(out[SAVE]), frozenset(out[LOAD]))
+
+    def failed_blocks(self) -> set[int]:
+        """Engine block ids whose loads failed since the last call (recompute them)."""
+        out, self._failed = self._failed, set()
+        return out
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds``: the recompute side
+        of the planner's onboard-or-recompute decision (``figures``)."""
+        self._policy.observe_prefill(tokens, seconds)
+
+    def figures(self) -> list[int]:
+        """This rank's running means of the load bandwidth from each tier (the copies
+        the executor timed) and of the prefill rate (``observe_prefill``), for the
+        planner's recompute policy: ``ExternalPlanner.agree`` takes their MIN over the
+        TP ranks (``RecomputePolicy.FIGURES`` order)."""
+        for route, nbytes, seconds in self.executor.take_timings():
+            self._policy.observe_copy(route.src, nbytes, seconds)
+        return self._policy.local_figures()
+
+    def synchronize(self) -> None:
+        """The host waits until every issued copy has run."""
+        if self._engine is not None:
+            self._engine.synchronize()
+
+    def stats(self) -> dict:
+        e = self._engine
+        return {"tiers": list(self.tiers), "init_status": self.init_status.name,
+                "tier_plan": {"host_blocks": self.tier_plan.host_blocks,
+                              "disk_blocks": self.tier_plan.disk_blocks},
+                "engine_blocks": self._gpu.num_blocks if self._gpu is not None else 0,
+                "in_flight": len(self._inflight), "blocks_moved": dict(self._moved),
+                "block_bytes": self.layout.bytes_per_block,
+                "transfer_batches": e.stats.batches if e is not None else 0,
+                "transfer": self._executor.stats() if self._executor is not None else {},
+                "rank": self.rank, "world_size": self.world_size}
+
+    def check_invariants(self) -> None:
+        if self._engine is not None:
+            self._engine.check_invariants()
+
+    # -- teardown ------------------------------------------------------------------------------------
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Wait for every copy, free kvdist's tiers (the engine's tensors stay the
+        engine's); collective over the workers' communicator, like ``create``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+            if self._executor is not None:
+                self._executor.close()
+            if self._gpu is not None:
+                self._gpu.close()
+            self._parts.teardown()
+            if wait_for_peers and self._comm.usable:
+                self._comm.barrier("close")
+        finally:
+            self._comm.free()
+
+    def __enter__(self) -> ExternalCache:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(wait_for_peers=exc_type is None)
+
+    def _live(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache is closed: close() freed its tiers; create a new one")
+
+    def _registered(self) -> ExternalGpuTier:
+        self._live()
+        if self._gpu is None:
+            raise KVDistError("register the engine's KV tensors first (ExternalCache.register)")
+        return self._gpu
+

@@ -1,0 +1,180 @@
+"""The CUDA executor with the engine's tensors as the GPU tier (``cache.gpu: external``).
+Everything but the GPU side of a copy is ``CudaExecutor``'s (streams, events, layer
+groups, disk workers, bounce buffers, the ordering it is handed); a copy that touches
+the engine's blocks moves each block as the engine holds it (``ExternalGpuTier``), one
+of three ways:
+
+* ``direct``: every piece is one entry of a batched copy (``cudaMemcpyBatchAsync``)
+  between its host bytes and its place in the engine's tensor: ``num_layers x pieces``
+  entries a block. The copy engines move small pieces slowly (16-token blocks of an 8B
+  model: 64 KiB a layer at TP 1, 8 KiB at TP 8; ``scripts/gpu/piece_probe.py``).
+* ``staged``: whole kvdist blocks (their layer group's bytes) are copied between host
+  and a device staging buffer at the copy engines' full rate, and one kernel a layer
+  group (a layer, where the engine's layers are separate allocations) scatters the
+  pieces into the engine's blocks or gathers them out, on a side stream, half the
+  buffer at a time so that copies and kernels overlap (``_staged``); its memory is
+  ``stage_bytes`` a stream, allocated on first use.
+* ``rows``: where every block's layers are one contiguous run in kvdist's order (vLLM's
+  cross-layer, block-outermost layouts), whole blocks, exactly as kvdist's own GPU tier
+  moves them: a batched copy of N entries (a layer group's bytes of each block).
+
+``auto`` is ``rows`` where it can be, else ``staged`` when a piece is smaller than
+``min_piece`` (the copy engines' full-rate size, ``cache.min_copy_piece``), else
+``direct``. ``scripts/gpu/external_probe.py`` measures them side by side."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from ..layout import LayerGroups
+from ..staging import CudaH2D, Stager
+from ..storage import DiskPool, HostPool
+from ..transfer.cuda import CudaExecutor
+from ..transfer.executors import BatchLog
+from .tier import ExternalGpuTier
+
+__all__ = ["GATHER_MODES", "STAGE_BYTES", "ExternalCudaExecutor"]
+
+GATHER_MODES = ("auto", "rows", "staged", "direct")
+INDEX_SLOTS = 32  # staging ring slots for the staged path's block ids (one a layer group a batch)
+STAGE_BYTES = 64 << 20  # a stream's staging buffer
+
+
+class ExternalCudaExecutor(CudaExecutor):
+    """``CudaExecutor`` over the engine's tensors (see the module docstring)."""
+
+    def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None,
+                 device: torch.device, *, path: str | None = None, disk_threads: int = 2,
+                 log: BatchLog | None = None, groups: LayerGroups | None = None, gather: str = "auto",
+                 min_piece: int = 256 << 10, stage_bytes: int = STAGE_BYTES):
+        assert gather in GATHER_MODES, f"gather is one of {GATHER_MODES}, not {gather!r}"
+        if gather == "auto":
+            gather = ("rows" if gpu.rows is not None else
+                      "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct")
+        assert gather != "rows" or gpu.rows is not None, "the engine's blocks are not whole rows"
+        self.gather = gather  # before CudaExecutor asks for _gpu_rows
+        super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
+                         groups=groups)
+        self._stage_blocks = max(2, stage_bytes // self.block_bytes)
+        self._stages: dict[int, torch.Tensor] = {}  # by stream
+        self._sides: dict[int, torch.cuda.Stream] = {}  # by stream: its scatter and gather kernels
+        self._free: dict[int, list] = {}  # by stream: per staging half, the event of its last reader
+        # The engine block ids a staged batch's kernels index by, host -> device (S3).
+        self._stager = Stager(CudaH2D(device), slots=INDEX_SLOTS) if device.type == "cuda" else None
+        pieces = gpu.pieces_of
+        self._offsets = np.array([[pieces.offset(layer, p) for p in range(pieces.per_layer)]
+                                  for layer in range(pieces.num_layers)], dtype=np.int64)
+
+    def _gpu_rows(self):
+        """The engine's blocks as whole rows (``rows``), else the tier itself: then
+        ``_rows_copy`` moves each block piece by piece."""
+        return self.gpu.rows if self.gather == "rows" else self.gpu
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked}
+
+    def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
+                   span: tuple[int, int] | None = None, **chunks: int) -> None:
+        gpu = self.gpu
+        if src_rows is not gpu and dst_rows is not gpu:  # host and bounce rows: as CudaExecutor does
+            lo, hi = span if span is not None else (0, self.block_bytes)
+            if span is not None:
+                src_rows, dst_rows, chunks = src_rows[:, lo:hi], dst_rows[:, lo:hi], {}
+            self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
+            return
+        to_gpu = dst_rows is gpu
+        rows, at, blocks = (src_rows, s, d) if to_gpu else (dst_rows, d, s)
+        chunk = chunks.get("src_chunk" if to_gpu else "dst_chunk", 0)
+        layers = range(gpu.layout.num_layers) if span is None else gpu.layout.layers_in(span)
+        if self.gather == "direct":
+            self._direct(st, rows, at, blocks, layers, to_gpu)
+        else:
+            self._staged(st, rows, at, blocks, layers, span, to_gpu, chunk)
+
+    def _direct(self, st, rows: torch.Tensor, at: np.ndarray, blocks: np.ndarray, layers: range,
+                to_gpu: bool) -> None:
+        """One batched copy, an entry per piece."""
+        engine = self.gpu.piece_pointers(blocks, layers).ravel()
+        offs = self._offsets[layers.start:layers.stop][None, :, :]
+        host = (rows.data_ptr() + np.asarray(at, dtype=np.int64)[:, None, None] * rows.stride(0)
+                + offs).astype(np.uint64).ravel()
+        sizes = np.full(len(engine), self.gpu.pieces_of.piece_bytes, dtype=np.uint64)
+        dsts, srcs = (engine, host) if to_gpu else (host, engine)
+        self.copier.copy_pointers(st, dsts, srcs, sizes)
+
+    def _stage(self, st) -> torch.Tensor:
+        buf = self._stages.get(id(st))
+        if buf is None:
+            buf = torch.empty((self._stage_blocks, self.block_bytes), dtype=torch.uint8, device=self.device)
+            self._stages[id(st)] = buf
+        return buf
+
+    def _staged(self, st, rows: torch.Tensor, at: np.ndarray, blocks: np.ndarray, layers: range,
+                span: tuple[int, int] | None, to_gpu: bool, chunk: int) -> None:
+        """Whole blocks (``span`` of each) through the stream's staging buffer, half of it
+        a chunk: the copies on ``st``, the kernels that scatter or gather the pieces on a
+        side stream of ``st``'s, so the copy of one chunk overlaps the kernels of the
+        last. A half is refilled only after the last chunk through it was read out of it
+        (an event per half, kept across batches); ``st`` ends waiting for the kernels, so
+        the batch's event recorded on it next covers them."""
+        stage = self._stage(st)
+        lo, hi = span if span is not None else (0, self.block_bytes)
+        part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
+        k = self._stage_blocks // 2
+        ids = self._indices(st, np.asarray(blocks, dtype=np.int64))
+        side = self._side_stream(st)
+        side.wait_stream(st)  # the batch's dependencies (st waited for them) and the ids' upload
+        if self.device.type == "cuda":
+            ids.record_stream(side)
+        free = self._free.setdefault(id(st), [None, None])  # per half: its last reader is done
+        for c, i in enumerate(range(0, len(at), k)):
+            h = c % 2
+            buf = stage[h * k:(h + 1) * k]
+            a = np.asarray(at[i:i + k], dtype=np.int64)
+            n = len(a)
+            here = np.arange(n, dtype=np.int64)
+            idx = ids[i:i + n]
+            if to_gpu:
+                if free[h] is not None:
+                    st.wait_event(free[h])  # the kernels of chunk c - 2 have read this half
+                self.copier.copy(st, part(rows), part(buf), a, here, src_chunk=chunk)
+                side.wait_event(self._record(st))
+                with self._on(side):
+                    self.gpu.scatter(buf[:n], idx, layers)
+                free[h] = self._record(side)
+            else:
+                if free[h] is not None:
+                    side.wait_event(free[h])  # the copy of chunk c - 2 has read this half
+                with self._on(side):
+                    self.gpu.gather(idx, buf, layers, at=torch.arange(n, device=self.device))
+                st.wait_event(self._record(side))
+                self.copier.copy(st, part(buf), part(rows), here, a, dst_chunk=chunk)
+                free[h] = self._record(st)
+        if to_gpu and len(at):
+            st.wait_event(free[(len(range(0, len(at), k)) - 1) % 2])
+
+    def _side_stream(self, st) -> torch.cuda.Stream:
+        side = self._sides.get(id(st))
+        if side is None:
+            side = self._sides[id(st)] = torch.cuda.Stream(self.device)
+        return side
+
+    def _indices(self, st, blocks: np.ndarray) -> torch.Tensor:
+        """``blocks`` on the device, valid on ``st``: through the staging ring (S3: the
+        host buffer is not rewritten before the copy out of it has run); on CPU as is."""
+        if self._stager is None:
+            return torch.from_numpy(blocks)
+        return self._stager.stage(blocks, st)
+
+    def _on(self, st):
+        """Kernels queued inside go on ``st`` (no-op off CUDA: the executor's tests on CPU)."""
+        return torch.cuda.stream(st) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def close(self) -> None:
+        super().close()
+        if self._stager is not None:
+            self._stager.close()
+        self._stages.clear()
