@@ -73,7 +73,7 @@ def reports() -> bool:
 def say(message: str) -> None:
     """``kvdist: message`` on stderr, once per job (rank 0)."""
     if reports():
-        print(f"kvdist: {message}", file=sys.stderr, flush=True)
+        _line(f"kvdist: {message}")
 
 
 def show_warnings_once() -> None:
@@ -101,7 +101,15 @@ _LEAVING_TAG = 0x5A4
 
 def say_here(message: str) -> None:
     """``kvdist: message`` on stderr, from this rank (every rank that says it)."""
-    print(f"kvdist: {message}", file=sys.stderr, flush=True)
+    _line(f"kvdist: {message}")
+
+
+def _line(text: str) -> None:
+    """One write of ``text`` and its newline: ``print`` writes them apart, and unbuffered
+    (PYTHONUNBUFFERED, as the Makefile and launcher set it) mpiexec can then splice another
+    rank's line between the two, two ranks' lines becoming one."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def leave_without(ranks) -> None:
