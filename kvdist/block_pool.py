@@ -16,7 +16,13 @@ read a :class:`PoolSnapshot`. State it owns, per tier ``t``:
 
 A CACHED slot is in its tier's eviction list iff its refcount is 0: ``pin`` and
 ``unpin`` keep the two together. ``generation`` grows with every change to the
-slots, so an admission plan can tell whether it is still current. When a host
+slots, so an admission plan can tell whether it is still current.
+
+Runs of moves along one route go at once (``move_run``: the slot arrays written with
+numpy, one probe loop for the index): an admission's onboards, and the offloads of the
+GPU's coldest blocks whenever the tier below has the free slots for all of them (else
+block by block, each through the cascade). ``batch_moves = False`` moves block by block
+throughout (``bench manager`` shows both). When a host
 slot gets or loses its block, ``host_observer`` hears it, from ``_host_changed``
 alone; when a cached block enters, moves between or leaves the tiers, ``block_observer``
 hears it (the KV cache events, ``kvdist.events``; None costs one test per change)."""
@@ -115,6 +121,7 @@ class BlockPool:
         self.host_observer: HostObserver | None = None
         self.block_observer: BlockObserver | None = None
         self.generation = 0  # grows with every change (see the module docstring)
+        self.batch_moves = True  # runs of moves at once (see the module docstring)
         self.transfer_seconds = 0.0  # handing moves to the engine
 
     # -- counts ----------------------------------------------------------------------------------
@@ -150,9 +157,10 @@ class BlockPool:
         reference (and at least ``priority``), leaving its eviction list at the first;
         a host or disk hit leaves its eviction list (the caller moves it at once)."""
         self.generation += 1
-        gpu_end, tier_of, lru = self._gpu_end, self.space.tier_of, self.lru
+        gpu_end, host_end, lru = self._gpu_end, self._host_end, self.lru
         ref, prio = self.meta.ref_mv, self.meta.prio_mv
         lru_gpu = lru[GPU]
+        colder: tuple[list[int], list[int]] = ([], [])  # host, disk hits
         for s in hits:
             if s < gpu_end:
                 if ref[s] == 0:
@@ -161,7 +169,10 @@ class BlockPool:
                 if prio[s] < priority:
                     prio[s] = priority
             else:
-                lru[tier_of(s)].remove(s)
+                colder[s >= host_end].append(s)
+        for tier, slots in zip((HOST, DISK), colder):
+            if slots:
+                lru[tier].remove_many(slots)
 
     def unpin(self, slots: list[int]) -> None:
         """Drop one reference from each GPU slot of a released sequence: an unreferenced
@@ -212,6 +223,31 @@ class BlockPool:
             self._host_changed(src, dst)
         if self.block_observer is not None:
             self.block_observer.moved(src, dst)
+
+    def move_run(self, srcs: list[int], dsts: list[int], along: Route) -> None:
+        """``move`` of each pair, in order, at once (``batch_moves``); the slots of
+        ``srcs`` and ``dsts`` are distinct."""
+        if not self.batch_moves or len(srcs) < 2:
+            for s, d in zip(srcs, dsts, strict=True):
+                self.move(s, d, along)
+            return
+        assert len(srcs) == len(dsts), f"{len(srcs)} sources for {len(dsts)} destinations"
+        self.generation += 1
+        meta = self.meta
+        m_src, m_dst, m_route = self._moves
+        m_src.extend(srcs)
+        m_dst.extend(dsts)
+        m_route.extend([along] * len(srcs))
+        si, di = np.asarray(srcs, dtype=np.intp), np.asarray(dsts, dtype=np.intp)
+        meta.move_many(si, di)
+        self.index.retarget_many(srcs, dsts)
+        meta.state[di] = CACHED
+        meta.state[si] = FREE
+        self.free[along.src].push_many(srcs)
+        self.counters.blocks_moved[along.name] += len(srcs)
+        if self.host_observer is not None:
+            for s, d in zip(srcs, dsts):
+                self._host_changed(s, d)
 
     def submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order."""
@@ -322,9 +358,29 @@ class BlockPool:
         free, lru = self.free[tier], self.lru[tier]
         if len(free) < n:
             self.generation += 1
+            if self.batch_moves:
+                self._offload_run(tier, n - len(free))
             while len(free) < n and (victim := lru.pop_victim()) != NO_SLOT:
                 self._evict(victim)
         self.submit_moves()
+
+    def _offload_run(self, tier: int, n: int) -> None:
+        """Up to ``n`` of ``tier``'s coldest blocks moved one tier colder at once, when
+        that tier has a free slot for each of them (the moves ``_evict`` would make
+        one by one, in the same order, into the same slots): a GPU tier evicting into
+        the host tier that ``demote_ahead`` keeps room in. Else nothing."""
+        if tier != GPU or not self._colder[GPU] or self.offload_min_priority:
+            return
+        along = self._colder[GPU][0]
+        lru, below = self.lru[GPU], self.free[along.dst]
+        n = min(n, len(lru))
+        if n < 2 or len(below) < n or not self.policy.worth_storing(along.dst):
+            return
+        victims = lru.pop_victims(n)
+        dsts = below.pop_many(n)
+        self.counters.evictions[GPU] += n
+        self.move_run(victims, dsts, along)
+        self.lru[along.dst].push_run(dsts)
 
     # -- landing slots (blocks fetched from another replica) ------------------------------------------
     def reserve(self, tier: int) -> int:

@@ -75,6 +75,13 @@ class FreeStack:
         self._top -= 1
         return self._mv[self._top]
 
+    def push_many(self, slots: list[int]) -> None:
+        """``push`` of each of ``slots``, in order."""
+        n = len(slots)
+        assert self._top + n <= self.capacity, "free stack overflow: a slot was freed twice"
+        self._items[self._top: self._top + n] = slots
+        self._top += n
+
     def pop_many(self, n: int) -> list[int]:
         assert 0 <= n <= self._top, f"pop_many({n}) with {self._top} free"
         out = self._items[self._top - n : self._top][::-1].tolist()
@@ -126,6 +133,14 @@ class FreeQueue:
         self._count -= 1
         return slot
 
+    def push_many(self, slots: list[int]) -> None:
+        """``push`` of each of ``slots``, in order."""
+        n = len(slots)
+        assert self._count + n <= self.capacity, "free queue overflow: a slot was freed twice"
+        at = (self._head + self._count + np.arange(n)) % self.capacity
+        self._items[at] = slots
+        self._count += n
+
     def pop_many(self, n: int) -> list[int]:
         assert 0 <= n <= self._count, f"pop_many({n}) with {self._count} free"
         out = self._ordered(n).tolist()
@@ -170,6 +185,11 @@ class BlockMeta:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.hash_hi, self.hash_lo, self.prio, self.refcnt,
                                       self.state, self.prev, self.next))
+
+    def move_many(self, srcs: np.ndarray, dsts: np.ndarray) -> None:
+        """``move`` for each pair (the slots of ``dsts`` distinct from those of ``srcs``)."""
+        for a in (self.hash_hi, self.hash_lo, self.prio):
+            a[dsts] = a[srcs]
 
     def move(self, src: int, dst: int) -> None:
         """Copy the identity of the block in ``src`` (hash, priority) to ``dst``."""

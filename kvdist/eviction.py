@@ -90,6 +90,49 @@ class PriorityLRU:
         self._prev[slot] = self._next[slot] = NO_SLOT
         self._len -= 1
 
+    def remove_many(self, slots: list[int]) -> None:
+        """``remove`` of each of ``slots`` (one pass, no call per slot)."""
+        prev, next_, prio, heads, tails = self._prev, self._next, self._prio, self._head, self._tail
+        for slot in slots:
+            p = prio[slot]
+            prv, nxt = prev[slot], next_[slot]
+            if prv == NO_SLOT:
+                assert heads[p] == slot, f"slot {slot} is not in eviction list {p}"
+                heads[p] = nxt
+                if nxt == NO_SLOT:
+                    self._nonempty &= ~(1 << p)
+            else:
+                next_[prv] = nxt
+            if nxt == NO_SLOT:
+                tails[p] = prv
+            else:
+                prev[nxt] = prv
+            prev[slot] = next_[slot] = NO_SLOT
+        self._len -= len(slots)
+
+    def pop_victims(self, n: int) -> list[int]:
+        """``pop_victim`` ``n`` times (fewer when the lists run out), walking each list
+        from its head and cutting it once."""
+        out: list[int] = []
+        prev, next_, heads, tails = self._prev, self._next, self._head, self._tail
+        while len(out) < n and self._nonempty:
+            m = self._nonempty
+            p = (m & -m).bit_length() - 1
+            slot = heads[p]
+            while slot != NO_SLOT and len(out) < n:
+                out.append(slot)
+                nxt = next_[slot]
+                prev[slot] = next_[slot] = NO_SLOT
+                slot = nxt
+            heads[p] = slot
+            if slot == NO_SLOT:
+                tails[p] = NO_SLOT
+                self._nonempty = m & ~(1 << p)
+            else:
+                prev[slot] = NO_SLOT
+        self._len -= len(out)
+        return out
+
     def pop_victim(self) -> int:
         """Remove and return the next slot to evict, or NO_SLOT when empty. The victim
         is a list head, so only its successor's back link changes."""

@@ -133,8 +133,8 @@ class CacheManager:
 
     def _tiers_of(self, slots: list[int]) -> list[int]:
         """The tier of each slot."""
-        gpu_end, tier_of = self.space.base[HOST], self.space.tier_of
-        return [GPU if s < gpu_end else tier_of(s) for s in slots]
+        gpu_end, host_end = self.space.base[HOST], self.space.base[DISK]
+        return [GPU if s < gpu_end else HOST if s < host_end else DISK for s in slots]
 
     def _reusable_prefix(self, hashes: list[int], n_tokens: int) -> tuple[list[int], list[int] | None, int]:
         """(the slots of the cached prefix worth reusing: the recompute policy's cut; the
@@ -240,23 +240,23 @@ class CacheManager:
     def _onboard(self, hits: list[int], fresh: list[int], priority: int) -> list[int]:
         """The prompt's slots: GPU hits as they are, host and disk hits moved into the
         first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
-        gpu_end, tier_of, tpb = self.space.base[HOST], self.space.tier_of, self.tpb
-        prio, hit_tokens, move = self.meta.prio_mv, self.counters.hit_tokens, self.pool.move
-        slots, k = [], 0
-        for s in hits:
-            if s >= gpu_end:
-                tier = tier_of(s)
-                hit_tokens[tier] += tpb
-                g = fresh[k]
-                k += 1
-                move(s, g, route(tier, GPU))  # g keeps the reference allocate gave it
-                if prio[g] < priority:
-                    prio[g] = priority
-                s = g
-            slots.append(s)
+        h = np.asarray(hits, dtype=np.int64)
+        cold = h >= self.space.base[HOST]
+        k = int(cold.sum())
+        slots = h.copy()
+        slots[cold] = fresh[:k]  # in prompt order
+        on_disk = h >= self.space.base[DISK]
+        for tier, pick in ((HOST, cold & ~on_disk), (DISK, on_disk)):  # no slot in both runs: order is free
+            srcs = h[pick].tolist()
+            if srcs:
+                self.counters.hit_tokens[tier] += len(srcs) * self.tpb
+                # The destinations keep the reference allocate gave them.
+                self.pool.move_run(srcs, slots[pick].tolist(), route(tier, GPU))
+        moved = np.asarray(fresh[:k], dtype=np.int64)
+        prio = self.meta.prio
+        prio[moved] = np.maximum(prio[moved], priority)
         self.pool.submit_moves()
-        slots.extend(fresh[k:])
-        return slots
+        return slots.tolist() + fresh[k:]
 
     def prefetch(self, tokens: Iterable[int]) -> int:
         """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``

@@ -141,6 +141,19 @@ class PrefixIndex:
             assert s != NO_SLOT, f"slot {slot} is not indexed under its hash"
             i = (i + 1) & mask
 
+    def retarget_many(self, olds: list[int], news: list[int]) -> None:
+        """``retarget`` for each pair (the probe inlined: once per block moved)."""
+        t, mask, lo = self._t, self._mask, self._lo
+        for old, new in zip(olds, news):
+            i = lo[old] & mask
+            while True:
+                s = t[i]
+                if s == old:
+                    break
+                assert s != NO_SLOT, f"slot {old} is not indexed under its hash"
+                i = (i + 1) & mask
+            t[i] = new
+
     def retarget(self, old: int, new: int) -> None:
         """The block of slot ``old`` now lives in slot ``new`` (meta already copied)."""
         self._t[self._position(old)] = new

@@ -66,6 +66,10 @@ def test_free_list_against_python(seed, kind):
             expect = [take() for _ in range(n)]
             assert fs.pop_many(n) == expect
             out.extend(expect)
+        elif op < 0.65 and out:  # a run freed at once
+            run = [out.pop(rng.randrange(len(out))) for _ in range(rng.randint(1, len(out)))]
+            fs.push_many(run)
+            ref.extend(run)
         elif out:
             s = out.pop(rng.randrange(len(out)))
             fs.push(s)
@@ -121,6 +125,17 @@ def test_priority_lru_against_sorted_reference(seed):
             lru.remove(s)
             lru.push(s)
             ref.push(s, ref.entries[s][0])
+        elif op < 0.85 and ref.entries:  # a prompt's colder hits, at once
+            run = rng.sample(list(ref.entries), rng.randint(1, len(ref.entries)))
+            lru.remove_many(run)
+            for s in run:
+                del ref.entries[s]
+        elif op < 0.9:  # a run of victims (more than there are, at times)
+            k = rng.randint(0, len(ref.entries) + 2)
+            expect = ref.order()[:k]
+            assert lru.pop_victims(k) == expect
+            for s in expect:
+                del ref.entries[s]
         else:
             order = ref.order()
             expect = order[0] if order else NO_SLOT
@@ -534,3 +549,57 @@ def test_long_cascades_keep_every_byte(cfg_factory, rules):
             assert drv.mismatched_tokens > 0
     finally:
         cache.close()
+
+
+# -- moves in runs ------------------------------------------------------------------------------
+
+
+class _Recorder(NullExecutor):
+    """Copies nothing; records every copy handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[str, list[int], list[int]]] = []
+
+    def submit(self, route, src, dst, deps):
+        self.copies.append((route.name, src.tolist(), dst.tolist()))
+        return super().submit(route, src, dst, deps)
+
+
+def _turns(batch_moves: bool, blocks: int, disk: int, steps: int = 9) -> tuple[CacheManager, _Recorder]:
+    """bench manager's breakdown: three prompts take turns on a GPU tier holding two,
+    each step onboarding one from the host tier (or the disk) and offloading as many."""
+    ex = _Recorder()
+    m = CacheManager(KVLayout(1, 1, 2, "float16", 2), (2 * blocks + 3, 3 * blocks + 5, disk), ex)
+    m.pool.batch_moves = batch_moves
+    rng = random.Random(blocks + disk)
+    prompts = [[rng.randrange(50) for _ in range(2 * blocks + 1)] for _ in range(3)]
+    for i in range(steps):
+        m.begin_step()
+        m.add_sequence(i, prompts[i % 3] + [i], priority=rng.choice([10, 35, 80]))
+        m.table_rows([i])
+        m.before_compute()
+        m.end_step()
+        if i:
+            m.release(i - 1)
+        m.check_invariants()
+    m.synchronize()
+    return m, ex
+
+
+@pytest.mark.parametrize("blocks,disk", [(40, 0), (40, 30), (7, 200)])
+def test_moves_in_runs_leave_the_cache_as_block_by_block_does(blocks, disk):
+    """The same admissions with ``batch_moves`` on and off: every slot's state, hash,
+    priority and reference count, the free and eviction lists in order, the index, the
+    counters and the copies handed to the engine are the same."""
+    (a, copies_a), (b, copies_b) = _turns(True, blocks, disk), _turns(False, blocks, disk)
+    for name in ("hash_hi", "hash_lo", "prio", "refcnt", "state"):
+        assert getattr(a.meta, name).tolist() == getattr(b.meta, name).tolist(), name
+    sa, sb = a.pool.snapshot(), b.pool.snapshot()
+    assert [None if f is None else f.tolist() for f in sa.free] == [None if f is None else f.tolist()
+                                                                    for f in sb.free]
+    assert [x.tolist() for x in sa.lru] == [x.tolist() for x in sb.lru]
+    assert sorted(a.index.slots().tolist()) == sorted(b.index.slots().tolist())
+    assert a.counters.blocks_moved == b.counters.blocks_moved and a.counters.evictions == b.counters.evictions
+    assert a.counters.blocks_moved["onboard"] > 4 * blocks and a.counters.blocks_moved["offload"] > 4 * blocks
+    assert copies_a.copies == copies_b.copies and len(copies_a.copies) > 8

@@ -276,9 +276,11 @@ def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path, simulate_asy
     assert timeline["prompt_tokens"][-1] == r["prompt_tokens"]
 
 
-def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "run-ahead"])
+def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch, ahead):
     """Rule off: the cache hands back a reused block whose K was overwritten. The
-    digest check and the logits check must both report it, and the run fails."""
+    digest check and the logits check must both report it, and the run fails (running
+    ahead too, where the digests are compared a step or more later)."""
     corrupted, reused_now = [], {}
     real_create = kvdist.sim.experiment.parts.create
 
@@ -308,7 +310,7 @@ def test_a_corrupted_block_is_caught_by_both_checks(tmp_path, monkeypatch):
         return CorruptingCache(real_create(cfg, comm))
 
     monkeypatch.setattr(kvdist.sim.experiment.parts, "create", corrupting_create)
-    r = run(sim_cfg(tmp_path), RunOptions(out=None, progress=False))
+    r = run(sim_cfg(tmp_path, run_ahead=ahead), RunOptions(out=None, progress=False))
     assert corrupted
     assert not r["ok"]
     assert r["integrity_mismatches"] >= 1

@@ -1,6 +1,8 @@
 """``python -m kvdist bench manager``: the bookkeeping cost of a serving trace, kvdist's
 :class:`~kvdist.manager.CacheManager` side by side with a straightforward pure-Python
 block manager (:mod:`kvdist.bench.baseline`) on the same trace and GPU capacity.
+Then the cost per block of each call of a step that moves many blocks, block by block
+and in runs (``BlockPool.batch_moves``), side by side (``breakdown``).
 
 The trace: requests whose prompts are one of a handful of system prompts plus a user
 turn (some continue an earlier conversation), 32-token blocks, batches of 16 that are
@@ -154,6 +156,73 @@ def best(runs: list[Run]) -> Run:
                np.min([x.decode for x in runs], axis=0), r.hit_tokens, r.evictions)
 
 
+@dataclass(slots=True)
+class Breakdown:
+    """Seconds of each call of the measured steps (``CALLS``)."""
+
+    mode: str
+    calls: dict[str, list[float]]
+    moved: int  # blocks onboarded plus offloaded a step
+
+
+CALLS = ("plan", "commit", "table_rows", "end_step", "release")
+
+
+def breakdown(blocks: int, *, batch_moves: bool, steps: int = 5) -> Breakdown:
+    """bench layerwise's admission on the bookkeeping alone: three prompts of ``blocks``
+    one-token blocks take turns on a GPU tier that holds two, so every step onboards a
+    whole prompt from the host tier and offloads as many blocks to it."""
+    layout = KVLayout(1, 1, 1, "float16", 1)
+    m = CacheManager(layout, (2 * blocks + 8, 3 * blocks + 8, 0), NullExecutor())
+    m.pool.batch_moves = batch_moves
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, blocks + 1).tolist() for _ in range(3)]
+    calls: dict[str, list[float]] = {c: [] for c in CALLS}
+    clock = time.perf_counter
+    moved0 = 0
+    gc.collect()
+    for i in range(6 + steps):  # two rounds fill the tiers
+        if i == 6:
+            moved0 = sum(m.counters.blocks_moved.values())
+        m.begin_step()
+        t0 = clock()
+        plan = m.plan(i, prompts[i % 3])
+        t1 = clock()
+        m.commit(plan)
+        t2 = clock()
+        m.table_rows([i])
+        t3 = clock()
+        m.before_compute()
+        t4 = clock()
+        m.end_step()
+        t5 = clock()
+        if i:
+            m.release(i - 1)
+        t6 = clock()
+        if i >= 6:
+            for c, t in zip(CALLS, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5)):
+                calls[c].append(t)
+    moved = (sum(m.counters.blocks_moved.values()) - moved0) // steps
+    return Breakdown("runs at once" if batch_moves else "block by block", calls, moved)
+
+
+def print_breakdown(blocks: int, repeat: int) -> None:
+    """Both modes, interleaved ``repeat`` times; each call's best step, in µs a block."""
+    runs: dict[bool, list[Breakdown]] = {False: [], True: []}
+    for _ in range(repeat):
+        for batch in (False, True):
+            runs[batch].append(breakdown(blocks, batch_moves=batch))
+    rows = []
+    for batch in (False, True):
+        best_of = {c: min(min(r.calls[c]) for r in runs[batch]) for c in CALLS}
+        per = lambda t: f"{t / blocks * 1e6:.2f}"  # noqa: E731
+        rows.append([runs[batch][0].mode, *(per(best_of[c]) for c in CALLS), per(sum(best_of.values())),
+                     f"{runs[batch][0].moved:,}"])
+    print(f"\na step admitting a prompt of {blocks:,} blocks from the host tier (offloading as many): "
+          f"µs a block of each call, best of {repeat} x 5 steps")
+    print(tabulate(rows, headers=["moves", *CALLS, "step", "blocks moved a step"], disable_numparse=True))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvdist bench manager", description=__doc__)
     ap.add_argument("--requests", type=int, default=2000)
@@ -165,6 +234,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each; each batch counts with its fastest time")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--onboard-blocks", type=int, default=8192,
+                    help="blocks a step onboards in the per-call breakdown (bench layerwise's 1 GiB of "
+                         "128 KiB blocks); 0 skips it")
     args = ap.parse_args(argv)
 
     trace = make_trace(args.requests, block_size=args.block_size, seed=args.seed)
@@ -204,4 +276,6 @@ def main(argv: list[str]) -> int:
             print("WARNING: kvdist (gpu only) and the baseline disagree on hits or evictions")
             return 1
         print("kvdist (gpu only) and the baseline made the same hits and evictions.")
+    if args.onboard_blocks:
+        print_breakdown(args.onboard_blocks, args.repeat)
     return 0

@@ -59,10 +59,22 @@ class KeyPlan:
     single: KeyGroup | None  # one-token segments (decodes)
 
 
+def upload(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """``a`` on ``dev``, queued: the host never waits for the device. A blocking copy
+    from pageable memory synchronizes the stream (the host would wait for every kernel
+    queued before it: a step's whole forward pass, the next step's copies); a copy from
+    pinned memory is queued, the pinned buffer (the caching host allocator's) held by an
+    event until the copy ran (rule S3)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _rows(idx: np.ndarray, dev: torch.device) -> torch.Tensor | slice:
     if len(idx) and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
         return slice(int(idx[0]), int(idx[0]) + len(idx))
-    return torch.from_numpy(idx).to(dev)
+    return upload(idx, dev)
 
 
 def _group(table: torch.Tensor, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
@@ -74,12 +86,12 @@ def _group(table: torch.Tensor, rows: np.ndarray, starts: np.ndarray, q_lens: np
     nblk = -(-k // tokens_per_block)
     cu_q = np.concatenate([[0], np.cumsum(q_lens)])
     cu_k = np.concatenate([[0], np.cumsum(nblk * tokens_per_block)])
-    up = (lambda a: torch.from_numpy(a.astype(np.int32)).to(dev))
+    up = (lambda a: upload(a.astype(np.int32), dev))
     blocks = None
     if not paged:
         r = np.repeat(rows, nblk)
         c = np.arange(int(nblk.sum())) - np.repeat(np.cumsum(nblk) - nblk, nblk)
-        blocks = table[torch.from_numpy(r).to(dev), torch.from_numpy(c).to(dev)].long()
+        blocks = table[upload(r, dev), upload(c, dev)].long()
     return KeyGroup(_rows(q_rows, dev), blocks, up(cu_q), up(cu_k), up(k), q_lens, k, cu_k[:-1], table,
                     up(rows) if paged else None)
 
@@ -191,9 +203,9 @@ class PagedAttention:
     def _sdpa_decodes(q, k, v, group: KeyGroup) -> torch.Tensor:
         """The one-token segments as one padded batch."""
         dev = q.device
-        lens = torch.as_tensor(group.k_lens, device=dev)
+        lens = upload(group.k_lens, dev)
         width = int(group.k_lens.max())
-        idx = torch.as_tensor(group.k_starts, device=dev)[:, None] + torch.arange(width, device=dev)[None, :]
+        idx = upload(group.k_starts, dev)[:, None] + torch.arange(width, device=dev)[None, :]
         mask = torch.arange(width, device=dev)[None, :] < lens[:, None]
         idx = torch.where(mask, idx, 0)
         kb, vb = k[idx].transpose(1, 2), v[idx].transpose(1, 2)  # [B, H, W, D]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config import CacheConfig
-from .attention import PagedAttention, flash_available, plan_keys
+from .attention import PagedAttention, flash_available, plan_keys, upload
 from .graphs import DEFAULT_BUCKETS, StepGraphs
 from .paged_decode import available as paged_available
 from .parallel import TensorParallel
@@ -190,18 +190,20 @@ class Decoder:
         and the K/V written ``[T, layers, 2, heads, head_dim]`` in the cache's dtype."""
         dev, tpb = self.device, self.tpb
         lens = [len(s.tokens) for s in segs]
-        tok = torch.from_numpy(np.concatenate([s.tokens for s in segs]).astype(np.int64))
-        pos = torch.cat([torch.arange(s.start, s.end) for s in segs])
+        tok_a = np.concatenate([s.tokens for s in segs]).astype(np.int64)
+        pos_a = np.concatenate([np.arange(s.start, s.end) for s in segs])
+        tok, pos = torch.from_numpy(tok_a), torch.from_numpy(pos_a)
         T = len(tok)
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(T) else None
         if graphs is not None:  # embeds, rotates and computes layer 0's queries and K/V
             graphs.begin(tok, pos)
             pos = graphs.pos[:T]
         else:
-            tok, pos = tok.to(dev), pos.to(dev)
+            tok, pos = upload(tok_a, dev), upload(pos_a, dev)
             x = self.embed[tok].to(torch.float32)
             rot = self.rotation(pos)
-        rows = torch.from_numpy(np.repeat(np.array([s.row for s in segs], dtype=np.int64), lens)).to(dev)
+        # No upload waits for the device: the host queues the whole pass and goes on.
+        rows = upload(np.repeat(np.array([s.row for s in segs], dtype=np.int64), lens), dev)
         blk = table[rows, pos // tpb].long()
         off = pos % tpb
         keys = plan_keys(table, [s.row for s in segs], [s.start for s in segs], lens, tpb,
@@ -223,7 +225,7 @@ class Decoder:
                 x = self.layer_tail(layer, x, h, attn.reshape(T, -1))
         if graphs is not None:
             x = graphs.x[:T]
-        ends = torch.as_tensor(np.cumsum(lens) - 1, device=dev)
+        ends = upload(np.cumsum(lens) - 1, dev)
         return self._logits(x[ends]), written
 
     def _attend(self, pool: torch.Tensor, q: torch.Tensor, keys, out: torch.Tensor | None = None

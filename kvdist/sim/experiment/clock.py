@@ -6,7 +6,8 @@ real time: requests arrive at ``Request.arrival_s`` seconds (open loop), a step
 starts as soon as there is work, and the device is synchronized after every forward
 pass (the first token is on the host, as a server would return it). The clock stops
 while the run verifies what the cache handed back (digests, logits recomputes,
-consistency checks), so checking costs no configuration any latency. With several
+consistency checks), so checking costs no configuration any latency; digests read
+back lazily are left out once their device time is known (``add_pause``). With several
 ranks, rank 0's clock is the run's: every step the ranks take its reading (one
 broadcast), so they all admit the same requests.
 
@@ -56,6 +57,9 @@ class StepTime:
     def paused(self):
         yield
 
+    def add_pause(self, seconds: float) -> None:
+        """Leave out ``seconds`` the device spent on checks, measured after the fact."""
+
 
 class RealTime(StepTime):
     """Seconds since ``start()``, less the time spent paused."""
@@ -98,6 +102,9 @@ class RealTime(StepTime):
         finally:
             self.sync()
             self.paused_s += time.perf_counter() - t0
+
+    def add_pause(self, seconds: float) -> None:
+        self.paused_s += seconds
 
 
 class WallSteps(StepTime):

@@ -18,6 +18,12 @@ around the same loop. A step is schedule → run → postprocess (nano-vllm's sh
   against its reference digest and a sample of logits (the clock paused) →
   ``end_step`` → ``release`` of finished requests → the reporter's record.
 
+Running ahead, the host waits for nothing but a step's first tokens: the digests of
+the blocks a step reused and wrote are queued behind its pass and compared a step or
+more later, once they are on the host (``readback.Readback``: event-polled, exact, in
+step order); their device time is left out of the clock and the timed figures. Only
+a step with a logits recompute due pauses (and synchronizes) as the serial loop does.
+
 Time is measured around the step, not inside it: the cache calls through
 ``timing.TimedCache``, the phases by ``timing.StepTimes``. Every
 ``distributed.check_consistency_every`` steps the cache runs its own
@@ -51,6 +57,7 @@ from .integrity import BlockLedger
 from .metrics import snapshot_from
 from .options import RunOptions
 from .parts import RunParts, close_parts
+from .readback import Readback, queue_step
 from .timing import CACHE_CALLS, StepTimes, TimedCache
 
 __all__ = ["CACHE_CALLS", "Reporter", "Simulation"]
@@ -66,7 +73,20 @@ class _Prepared:
     t0: float  # perf_counter at its begin_step
     t1: float  # ... once its block table was staged
     appends: list[tuple[int, int]]  # (request id, decoded token) of its decodes
-    overlapped: bool = False  # prepared while the previous step's forward pass ran
+
+
+@dataclass(slots=True)
+class _Flying:
+    """A step launched, running ahead: closed (``end_step``, its finished requests
+    released) but not yet waited for."""
+
+    step: _Prepared
+    flight: InFlight
+    done: list[Running]  # its finished requests
+    t_launch: float
+    start: float  # its window's start: the previous step's first tokens, or its own begin_step
+    prev: InFlight | None  # the pass it was queued behind
+    late: bool  # that pass had ended before this step was queued (the GPU waited for the host)
 
 
 R = TypeVar("R")
@@ -114,6 +134,8 @@ class Simulation(Generic[R]):
         self.ledger = BlockLedger(self.cache.layout, self.cache.device, seed=self.w.seed,
                                   defer=self.cache.num_replicas > 1)
         self.verify = Verifier(self.cache, self.model, self.ledger, self.w.verify_logits_every)
+        self.readback = Readback(self.ledger)  # digests queued on the device, compared later
+        self._checks_s = 0.0  # their device time, read back, not yet left out of a step's figures
         self.checks: CheckCounts = self.verify.counts
         self.tolerance = self.verify.tolerance
         self.times = StepTimes()
@@ -130,6 +152,7 @@ class Simulation(Generic[R]):
         """Schedule the next step: ``begin_step``, the plan, the cache calls before the
         forward pass. None when there is nothing to run (the step is closed; ``wait``:
         in real time with nothing arrived, sleep until the next arrival first)."""
+        self._poll()
         t_idle = time.perf_counter()
         now = self.time.before_step(self.sched)  # rank 0's real time on every rank, or None
         t0 = time.perf_counter()
@@ -190,7 +213,7 @@ class Simulation(Generic[R]):
         self.stop = process.decode_stop(stop)
         if self.stop is not None and world is not None:
             world.notify_all(stop)  # the other replicas stop at their next step
-        return launch(self.cache, self.model, step.plan, step.table, step.reused, self.verify, digest=ahead)
+        return launch(self.cache, self.model, step.plan, step.table, step.reused, self.ledger, digest=ahead)
 
     def _release(self, done: list[Running]) -> float:
         """Close the step and release its finished requests; returns the time it took."""
@@ -201,29 +224,53 @@ class Simulation(Generic[R]):
         self.times.cache_api += took
         return took
 
-    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], t_launch: float) -> float:
-        """The step's first tokens are on the host: its figures, then (the clock paused)
-        the checks of what the cache handed back, the ledger's record of what the step
-        wrote, the reporter's record. Returns the pause."""
-        plan, ahead = flight.plan, bool(flight.digests)
+    def _poll(self) -> None:
+        """Compare the queued digests that reached the host (never waits); their device
+        time leaves the clock now and the next step's figures."""
+        took = self.readback.poll()
+        self.time.add_pause(took)
+        self._checks_s += took
+
+    def _take_checks(self) -> float:
+        took, self._checks_s = self._checks_s, 0.0
+        return took
+
+    def _finish(self, flight: InFlight, step: _Prepared, done: list[Running], since: float, *,
+                ahead: bool) -> float:
+        """The step's first tokens are on the host (the host waited for them since
+        ``since``): its figures, then the checks of what the cache handed back
+        (serially, or with a logits recompute due: the clock paused; else queued behind
+        the pass and compared later), the reporter's record. Returns the pause."""
+        plan = flight.plan
         ready = time.perf_counter()
-        self.times.model += ready - t_launch
+        self.times.model += ready - since
         busy = flight.device_seconds()
         self.times.gpu_busy += busy
         computed = sum(len(r.req.prompt) for r in plan.prefills) - sum(flight.reused)
         if computed:  # run ahead, the host's wait also covers the next step's preparation
-            self.cache.observe_prefill(computed + len(plan.decodes), busy if ahead else ready - t_launch)
+            self.cache.observe_prefill(computed + len(plan.decodes), busy if ahead else ready - since)
+        if ahead:
+            self.readback.add(flight.digests[0])
+            self._poll()  # the digests that ran before this pass leave the clock before its first tokens
         self._emitted(plan, done)
-        with self.time.paused():  # verification costs no configuration any latency
-            t_check = time.perf_counter()
-            if ahead:  # the digests ran behind the pass; the rest reads no pool
-                self._check(flight)
-            else:
-                self._on_compute_stream(lambda: self._check(flight))
-            paused = time.perf_counter() - t_check
+        paused = 0.0
+        if not ahead or self.verify.logits_due(flight.reused):
+            with self.time.paused():  # verification costs no configuration any latency
+                t_check = time.perf_counter()
+                if ahead:  # the device is synchronized: every queued digest is on the host
+                    drained = self.readback.drain()
+                    self.verify.logits(plan, flight.reused, flight.result[0])
+                else:
+                    self._on_compute_stream(lambda: self._check(flight))
+                paused = time.perf_counter() - t_check
+            if ahead:  # the pause's start waited for them on the device: out of the clock too
+                self.time.add_pause(drained)
+        else:  # no recompute due: the sample's count moves on, nothing waits
+            self.verify.logits(plan, flight.reused, flight.result[0])
         for run in done:
             self.ledger.release(run.req.rid)
         self.reporter.step(plan, step.appends, done)
+        flight.out.clear()  # its logits and K/V written (GiBs after a long prefill): not held past here
         return paused
 
     def _step(self) -> list[int]:
@@ -235,7 +282,7 @@ class Simulation(Generic[R]):
         flight = self._launch(step, ahead=False)
         wait(self.cache, flight, self.time.sync)  # the step's first tokens are on the host
         done = self.sched.complete(step.plan)
-        paused = self._finish(flight, step, done, t_launch)
+        paused = self._finish(flight, step, done, t_launch, ahead=False)
         released = self._release(done)
         end = time.perf_counter()
         # The GPU waits for all of the step's cache work.
@@ -243,29 +290,66 @@ class Simulation(Generic[R]):
         self.latency.busy_s += end - step.t0 - paused
         return [run.req.rid for run in done]
 
-    def _step_ahead(self, step: _Prepared) -> tuple[list[int], _Prepared | None]:
-        """Step N run ahead: its forward pass launched, the host prepares step N+1 —
-        releases of N's finished requests, admissions and prefetches, appends,
-        ``block_table`` staged under S3 — and only then waits for N's first tokens.
-        Decode tokens come from the trace, so N+1's appends need nothing N computes.
-        Returns N's finished requests and step N+1 (None: none prepared)."""
+    def _fly(self, step: _Prepared, start: float, prev: _Flying | None, late: bool | None = None) -> _Flying:
+        """Launch a prepared step (behind ``prev``'s pass, if one is in flight), complete
+        its plan and close it: ``end_step``, release of its finished requests. ``late``:
+        whether the GPU waited for its preparation (default: whether ``prev``'s pass had
+        ended by now, an event query that never waits)."""
+        if late is None:
+            late = prev is not None and prev.flight.ended()
         t_launch = time.perf_counter()
         flight = self._launch(step, ahead=True)
         done = self.sched.complete(step.plan)
         self._release(done)
-        nxt = None if self.sched.done() else self._prepare(wait=False)
-        prepared_at = time.perf_counter()
-        wait(self.cache, flight)
-        paused = self._finish(flight, step, done, t_launch)
-        end = time.perf_counter()
-        own = 0.0 if step.overlapped else step.t1 - step.t0  # its own preparation, if nothing ran then
-        # The GPU waited for the host's cache work after its pass ended (on CPU: all of it).
-        waited = max(0.0, prepared_at - max(flight.launched_at, flight.device_end()))
-        self.times.count(end - t_launch - paused + own, own + waited)
-        self.latency.busy_s += end - t_launch - paused + own
-        if nxt is not None:
-            nxt.overlapped = True
-        return [run.req.rid for run in done], nxt
+        return _Flying(step, flight, done, t_launch, start, prev.flight if prev is not None else None, late)
+
+    def _step_ahead(self, cur: _Flying | None) -> tuple[list[int], _Flying | None]:
+        """Step N running ahead (``cur``; None: nothing is in flight, N is prepared and
+        launched now). The host prepares step N+1 — admissions and prefetches, appends,
+        ``block_table`` staged under S3 — and queues its pass behind N's (decode tokens
+        come from the trace: N+1 needs nothing N computes), and only then waits for N's
+        first tokens; N's checks and records are done while N+1 runs. Returns N's
+        finished requests and step N+1 in flight (None: none)."""
+        if cur is None:
+            step = self._prepare()
+            if step is None:
+                return [], None
+            cur = self._fly(step, step.t0, None)
+        step = None if self.sched.done() else self._prepare(wait=False)
+        # A logits recompute due for N pauses (and synchronizes) after N: N+1 waits, prepared.
+        due = self.verify.logits_due(cur.flight.reused)
+        nxt = self._fly(step, 0.0, cur) if step is not None and not due else None
+        wait(self.cache, cur.flight)
+        ready = time.perf_counter()
+        self._finish(cur.flight, cur.step, cur.done, max(cur.t_launch, cur.start), ahead=True)
+        if step is not None and due:  # the GPU waited for the pause, not the cache: its window opens now
+            nxt = self._fly(step, time.perf_counter(), cur, late=False if cur.flight.on_device else None)
+        elif nxt is not None:
+            nxt.start = ready  # its window opens with N's first tokens
+        self._count_ahead(cur, ready)
+        return [run.req.rid for run in cur.done], nxt
+
+    def _count_ahead(self, cur: _Flying, ready: float) -> None:
+        """Step N's figures, running ahead: its window (from the previous step's first
+        tokens, or its own ``begin_step`` if nothing ran before it, to its own) less the
+        checks' pauses, and the cache's host time the GPU waited for: all of its
+        preparation if nothing ran while it was prepared; else, if the pass before it
+        had ended by the time it was queued, the device's gap between the two passes
+        less that pass's digests (CUDA events; on CPU the host is the device: all of its
+        preparation)."""
+        wall = ready - cur.start - self._take_checks()
+        step = cur.step
+        own = step.t1 - step.t0
+        if cur.prev is None:
+            critical = own
+        elif not cur.late:
+            critical = 0.0
+        else:
+            gap = cur.prev.gap_before(cur.flight)
+            digests = cur.prev.digests[0].seconds() if cur.prev.digests else 0.0
+            critical = own if gap is None else max(0.0, gap - digests)
+        self.times.count(max(wall, 0.0), critical)
+        self.latency.busy_s += max(wall, 0.0)
 
     def _emitted(self, plan: StepPlan, done: list[Running]) -> None:
         """Real time: every prefill of the step produced its first token now, ``done``
@@ -279,24 +363,16 @@ class Simulation(Generic[R]):
             lat.finish[run.req.rid] = now
 
     def _check(self, flight: InFlight) -> None:
-        """The reused blocks still hold what attention read (nothing writes them while
-        their sequence holds them), so they are digested after the forward pass (run
-        ahead: queued right behind it): a check before it would make every layer wait
-        for every onboarded block. Then the ledger records what this step wrote
-        (reusable from the next step on)."""
-        plan, table, reused = flight.plan, flight.table, flight.reused
+        """Serially: digest the reused blocks (they still hold what attention read:
+        nothing writes them while their sequence holds them; a check before the pass
+        would make every layer wait for every onboarded block) and the blocks the step
+        wrote, compare them at once, and a sample of logits."""
+        plan, reused = flight.plan, flight.reused
         logits, written, segs = flight.result
-        if flight.digests:
-            self.verify.check_queued(plan, flight.digests[0])
-        else:
-            self.verify.reused_blocks(plan, table, reused)
+        self.readback.add(queue_step(self.cache, self.ledger, self.model.L, plan, flight.table, reused,
+                                     written, segs))
+        self.readback.drain()
         self.verify.logits(plan, reused, logits)
-        base, offset = len(plan.prefills), 0
-        for k, (seg, run) in enumerate(zip(segs, plan.batch)):
-            n = len(seg.tokens)
-            self.ledger.written(run.req.rid, seg.start, written[offset: offset + n],
-                                appended=seg.tokens if k >= base else None)
-            offset += n
 
     def _on_compute_stream(self, work) -> None:
         """Run ``work`` as the step's kernels. On CUDA and on a plain CPU cache it runs
@@ -319,16 +395,14 @@ class Simulation(Generic[R]):
                    unit="req", desc=self.reporter.label, dynamic_ncols=True, file=sys.stderr,
                    mininterval=0.2 if sys.stderr.isatty() else 5.0)
         self.time.start()
-        ahead: _Prepared | None = None
+        flying: _Flying | None = None
         try:
-            while ahead is not None or not self.sched.done():
+            while flying is not None or not self.sched.done():
                 try:
                     if not self.parts.run_ahead:
                         done = self._step()
                     else:
-                        step = ahead if ahead is not None else self._prepare()
-                        ahead = None
-                        done, ahead = self._step_ahead(step) if step is not None else ([], None)
+                        done, flying = self._step_ahead(flying)
                 except ConsistencyError as e:  # every rank learns it at the same collective
                     self.checks.consistency_error = f"step {self.sched.step}: {e}"
                     break
@@ -338,6 +412,7 @@ class Simulation(Generic[R]):
                     self._progress(bar, done)
         finally:
             bar.close()
+        self.readback.drain()  # the last steps' digests
         self.cache.synchronize()
         self.checks.consistency_checks = self.cache.stats()["consistency_checks"]
         return self.reporter.results(self)

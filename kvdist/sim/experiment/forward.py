@@ -1,6 +1,7 @@
 """A step's forward pass in flight: launched on the compute stream (with the digests
-of the blocks it reused queued right behind it, when the host runs ahead), waited for
-when the host needs its first tokens, and its device time measured.
+of the blocks it reused and wrote queued right behind it, when the host runs ahead:
+``readback``), waited for when the host needs its first tokens, and its device time
+measured. Nothing here makes the host wait for the device but ``wait``.
 
 Where it runs: on CUDA the kernels are queued and the host goes on (CUDA events
 around the pass time it on the device); on a plain CPU cache the pass runs on the
@@ -19,7 +20,8 @@ import torch
 from ...cache import KVCache
 from ..engine.model import Decoder, Segment
 from ..engine.scheduler import StepPlan
-from .checks import QueuedDigests, Verifier
+from .integrity import BlockLedger
+from .readback import StepDigests, queue_step
 
 __all__ = ["InFlight", "launch", "segments", "wait"]
 
@@ -32,11 +34,9 @@ class InFlight:
     table: torch.Tensor
     reused: list[int]
     out: list[tuple] = field(default_factory=list)  # [(logits, K/V written, segments)] once run
-    digests: list[QueuedDigests | None] = field(default_factory=list)  # queued behind it (run ahead)
+    digests: list[StepDigests] = field(default_factory=list)  # queued behind it (run ahead)
     kernel: object | None = None  # the simulated compute stream's op
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the pass
-    started_at: float = 0.0  # perf_counter when the host began to queue it
-    launched_at: float = 0.0  # ... when it had queued it
     host_s: float = 0.0  # the pass's time where the host runs it (CPU, simulated streams)
 
     @property
@@ -44,12 +44,22 @@ class InFlight:
         assert self.out, "the forward pass has not run (wait for it first)"
         return self.out[0]
 
-    def device_end(self) -> float:
-        """When the pass ended on the device, in the host's perf_counter (the device
-        was idle when it was launched: it starts at once); after ``wait``."""
-        if self.events is not None:
-            return self.started_at + self.device_seconds()
-        return self.launched_at
+    @property
+    def on_device(self) -> bool:
+        """The pass runs on a CUDA device (timed by events), not on the host."""
+        return self.events is not None
+
+    def gap_before(self, nxt: InFlight) -> float | None:
+        """The device's time between the end of this pass and the start of ``nxt``
+        (CUDA events; after ``wait`` for ``nxt``), else None."""
+        if self.events is None or nxt.events is None:
+            return None
+        return self.events[1].elapsed_time(nxt.events[0]) / 1e3
+
+    def ended(self) -> bool:
+        """Whether the pass has ended on the device (never waits). Where the host runs
+        it (CPU, simulated streams), the device is the host: true."""
+        return self.events is None or self.events[1].query()
 
     def device_seconds(self) -> float:
         """The pass's time on the device (CUDA events), else on the host; after ``wait``."""
@@ -59,11 +69,12 @@ class InFlight:
 
 
 def launch(cache: KVCache, model: Decoder, plan: StepPlan, table: torch.Tensor, reused: list[int],
-           verify: Verifier, *, digest: bool) -> InFlight:
-    """Queue the step's forward pass (``digest``: and the digests of its reused blocks
-    right behind it, before any later step's copy can overwrite them: S4 makes those
-    wait for the compute stream as it is at the next ``begin_step``)."""
-    flight = InFlight(plan, table, reused, started_at=time.perf_counter())
+           ledger: BlockLedger, *, digest: bool) -> InFlight:
+    """Queue the step's forward pass (``digest``: and the digests of its reused and
+    written blocks right behind it, the reused ones before any later step's copy can
+    overwrite them: S4 makes those wait for the compute stream as it is at the next
+    ``begin_step``)."""
+    flight = InFlight(plan, table, reused)
     segs = segments(plan, reused)  # fixed now: the plan's requests move on before a queued pass runs
 
     def forward() -> None:
@@ -74,7 +85,8 @@ def launch(cache: KVCache, model: Decoder, plan: StepPlan, table: torch.Tensor, 
 
     def digests() -> None:
         if digest:
-            flight.digests.append(verify.queue_reused(plan, table, reused))
+            _, written, _ = flight.result
+            flight.digests.append(queue_step(cache, ledger, model.L, plan, table, reused, written, segs))
 
     compute = cache.simulated_compute
     if compute is not None:
@@ -89,12 +101,12 @@ def launch(cache: KVCache, model: Decoder, plan: StepPlan, table: torch.Tensor, 
     else:
         forward()
         digests()
-    flight.launched_at = time.perf_counter()
     return flight
 
 
 def wait(cache: KVCache, flight: InFlight, sync: Callable[[], None] | None = None) -> None:
-    """The host waits for the pass (``sync``: the clock's own wait, the serial loop's)."""
+    """The host waits for the pass (``sync``: the clock's own wait, the serial loop's;
+    running ahead, only for the event after the pass: not for what is queued behind it)."""
     compute = cache.simulated_compute
     if flight.kernel is not None:
         compute.force(flight.kernel)

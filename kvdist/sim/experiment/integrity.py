@@ -89,13 +89,20 @@ class BlockLedger:
         self._extend_keys(sk)
         self.seqs[seq_id] = sk
 
+    def keys(self, seq_id: Hashable, n: int) -> list[bytes]:
+        """The prefix keys of the sequence's first ``n`` blocks."""
+        return self.seqs[seq_id].keys[:n]
+
     def check_reused(self, seq_id: Hashable, digests: list[int]) -> int:
         """Compare the digests of the sequence's first ``len(digests)`` blocks, as read
         back from the cache, with the references. Returns how many mismatch."""
-        sk = self.seqs[seq_id]
+        return self.check_keys(seq_id, self.keys(seq_id, len(digests)), digests)
+
+    def check_keys(self, seq_id: Hashable, keys: list[bytes], digests: list[int]) -> int:
+        """``check_reused`` with the blocks' prefix keys taken earlier (the sequence may
+        be gone by the time its digests are read back)."""
         bad = 0
-        for i, d in enumerate(digests):
-            key = sk.keys[i]
+        for i, (key, d) in enumerate(zip(keys, digests, strict=True)):
             known = self.ref.get(key)
             if known is not None and d in known:
                 continue
@@ -132,6 +139,14 @@ class BlockLedger:
         """Record the K/V ``kv [n, L, 2, H, D]`` the model wrote at positions ``start ..``;
         every block they complete gets a reference digest. ``appended`` are decoded
         tokens not yet in the sequence's token list."""
+        keys, digests = self.queue_written(seq_id, start, kv, appended)
+        self.record(keys, digests.tolist())
+
+    def queue_written(self, seq_id: Hashable, start: int, kv: torch.Tensor,
+                      appended: np.ndarray | None = None) -> tuple[list[bytes], torch.Tensor]:
+        """``written`` in two halves: the sequence's bookkeeping now, the digests of the
+        blocks completed queued on the device (not waited for). Returns their prefix
+        keys and digests, for ``record`` once the digests are on the host."""
         sk = self.seqs[seq_id]
         if appended is not None:
             sk.tokens = np.concatenate([sk.tokens, np.asarray(appended, dtype=np.int32)])
@@ -141,17 +156,21 @@ class BlockLedger:
             assert sk.tail is not None and len(sk.tail) == start % self.tpb, "tail out of step"
             kv = torch.cat([sk.tail, kv])
         full = len(kv) // self.tpb
-        if full:
-            blocks = kv[: full * self.tpb].unflatten(0, (full, self.tpb)).transpose(1, 2).transpose(2, 3)
-            for i, d in enumerate(self.digest(blocks)):
-                key = sk.keys[first_block + i]
-                known = self.ref.get(key)
-                if known is None:
-                    self.ref[key] = (d,)
-                elif d not in known:
-                    self.ref[key] = (*known, d)
-                    self.variants += len(known) == 1
         sk.tail = kv[full * self.tpb:].clone() if len(kv) % self.tpb else None
+        if not full:
+            return [], torch.zeros(0, dtype=torch.int64, device=kv.device)
+        blocks = kv[: full * self.tpb].unflatten(0, (full, self.tpb)).transpose(1, 2).transpose(2, 3)
+        return sk.keys[first_block: first_block + full], self.digest_queued(blocks)
+
+    def record(self, keys: list[bytes], digests: list[int]) -> None:
+        """The reference digests of written blocks (``queue_written``'s, read back)."""
+        for key, d in zip(keys, digests, strict=True):
+            known = self.ref.get(key)
+            if known is None:
+                self.ref[key] = (d,)
+            elif d not in known:
+                self.ref[key] = (*known, d)
+                self.variants += len(known) == 1
 
     def release(self, seq_id: Hashable) -> None:
         del self.seqs[seq_id]
