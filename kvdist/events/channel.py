@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..config import EventsConfig
 from ..manager import CacheManager
+from .batcher import EventBuilder
 from .publisher import EventPublisher, offset_endpoint
 from .recorder import BlockRecorder
 
@@ -21,8 +22,8 @@ class KVEvents:
         self.publisher = EventPublisher(
             offset_endpoint(cfg.endpoint, replica, "cache.events.endpoint"),
             None if replay is None else offset_endpoint(replay, replica, "cache.events.replay_endpoint"),
-            cfg.topic, cfg.buffer_steps, replica, manager.tpb)
-        self.recorder = BlockRecorder(manager.meta, manager.space, manager.tpb)
+            cfg.topic, cfg.buffer_steps, replica, EventBuilder(manager.space, manager.tpb).events)
+        self.recorder = BlockRecorder(manager.meta, manager.tpb)
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder
 
