@@ -7,12 +7,15 @@ blocks exactly.
 
 State, per global slot (lists indexed by slot, like the manager's arrays): the wire
 hash of the cached block there and what it is beyond its hash — ``(parent wire hash or
-None, its int32 token ids)`` — as the records so far leave them, moved with the block;
-and the hashes cached in any tier (the prefix index's keys), which tell a registered
-block that is new from one that stays private. A block landed from another replica is
-known by its hash alone (``UNKNOWN``: no parent, no tokens)."""
+None, its int32 token ids)``, an array the garbage collector need not follow — as the
+records so far leave them, moved with the block; and the hashes cached in any tier (the
+prefix index's keys), which tell a registered block that is new from one that stays
+private. A block landed from another replica is known by its hash alone (``UNKNOWN``:
+no parent, no tokens)."""
 
 from __future__ import annotations
+
+from array import array
 
 from ..blocks import DISK, GPU, HOST, SlotSpace
 from .recorder import CLEARED, DROPPED, LANDED, MOVED, REGISTERED, Record
@@ -39,6 +42,7 @@ class EventBuilder:
 
     def events(self, records: list[Record]) -> list[KVCacheEvent]:
         self._out: list[KVCacheEvent] = []
+        self._tokens: list[array | None] = []  # of each event in _out: a BlockStored's token ids
         drops: list[Record] = []  # waiting for the moves they came between
         for r in records:
             kind = r[0]
@@ -66,9 +70,13 @@ class EventBuilder:
                 self._hash, self._info = [None] * n, [None] * n
                 self._held.clear()
                 self._out.append(AllBlocksCleared())
+                self._tokens.append(None)
         if drops:
             self._moves([], [], drops)
         out, self._out = self._out, []
+        for ev, tokens in zip(out, self._tokens):
+            if tokens is not None:
+                ev.token_ids = tokens.tolist()
         return out
 
     def _registered(self, slots: list[int], hashes: list[int], tokens, parent: int | None) -> None:
@@ -112,16 +120,17 @@ class EventBuilder:
             last.block_hashes.append(h)
         else:
             self._out.append(BlockRemoved(block_hashes=[h], medium=medium))
+            self._tokens.append(None)
 
     def _stored(self, medium: str, h: int, info: tuple) -> None:
         parent, tokens = info
-        last = self._out[-1] if self._out else None
+        out = self._out
+        last = out[-1] if out else None
         if (type(last) is BlockStored and last.medium == medium and tokens is not None
-                and parent is not None and last.block_hashes[-1] == parent and last.token_ids):
+                and parent is not None and last.block_hashes[-1] == parent and self._tokens[-1] is not None):
             last.block_hashes.append(h)
-            last.token_ids.extend(tokens)
+            self._tokens[-1] += tokens  # an array: one copy, no int objects
         else:
-            self._out.append(BlockStored(block_hashes=[h], parent_block_hash=parent,
-                                         token_ids=[] if tokens is None else tokens.tolist(),
-                                         block_size=self._block_size, lora_id=None, medium=medium,
-                                         lora_name=None))
+            out.append(BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=[],
+                                   block_size=self._block_size, lora_id=None, medium=medium, lora_name=None))
+            self._tokens.append(None if tokens is None else array("i", tokens))
