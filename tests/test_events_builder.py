@@ -26,7 +26,7 @@ class Stream:
     def __init__(self, capacity: tuple[int, int, int]):
         self.m = CacheManager(KVLayout(1, 1, 1, "float16", TPB), capacity, NullExecutor())
         self.recorder = BlockRecorder(self.m.meta, TPB)
-        self.builder = EventBuilder(self.m.space, TPB)
+        self.builder = EventBuilder(self.m.space, TPB, self.m.salt)
         self.m.pool.block_observer = self.recorder
         self.held: dict[str, set[int]] = {m: set() for m in MEDIA}
         self.events: list = []

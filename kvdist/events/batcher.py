@@ -18,6 +18,7 @@ from __future__ import annotations
 from array import array
 
 from ..blocks import DISK, GPU, HOST, SlotSpace
+from ..prefix import MASK64, chain_hashes, digest_bytes
 from .recorder import CLEARED, DROPPED, LANDED, MOVED, REGISTERED, Record
 from .wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -30,7 +31,8 @@ class EventBuilder:
     """Turns each step's records into its events (module docstring); one per stream,
     fed every record in order."""
 
-    def __init__(self, space: SlotSpace, block_size: int):
+    def __init__(self, space: SlotSpace, block_size: int, salt: bytes):
+        self._salt = salt  # the parent of a sequence's first block (KVLayout.hash_salt)
         self._host, self._disk = space.base[HOST], space.base[DISK]
         self._block_size = block_size
         self._hash: list[int | None] = [None] * space.total
@@ -79,9 +81,15 @@ class EventBuilder:
                 ev.token_ids = tokens.tolist()
         return out
 
-    def _registered(self, slots: list[int], hashes: list[int], tokens, parent: int | None) -> None:
+    def _registered(self, slots: list[int], tokens: array, start: int, end: int,
+                    parent128: int | None) -> None:
         held, tpb, t, gpu = self._held, self._block_size, 0, MEDIA[GPU]
+        slots, tokens = slots[start:end], tokens[start * tpb : end * tpb]  # copies: the step may extend them
+        hashes = chain_hashes(self._salt if parent128 is None else digest_bytes(parent128),
+                              memoryview(tokens).cast("B"), 0, end - start, tpb)
+        parent = None if parent128 is None else parent128 & MASK64
         for s, h in zip(slots, hashes):
+            h &= MASK64
             if h not in held:  # else the block stays private: cached elsewhere already
                 held.add(h)
                 self._hash[s] = h

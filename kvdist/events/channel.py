@@ -19,10 +19,11 @@ class KVEvents:
 
     def __init__(self, cfg: EventsConfig, replica: int, manager: CacheManager):
         replay = cfg.replay_endpoint
+        builder = EventBuilder(manager.space, manager.tpb, manager.salt)
         self.publisher = EventPublisher(
             offset_endpoint(cfg.endpoint, replica, "cache.events.endpoint"),
             None if replay is None else offset_endpoint(replay, replica, "cache.events.replay_endpoint"),
-            cfg.topic, cfg.buffer_steps, replica, EventBuilder(manager.space, manager.tpb).events)
+            cfg.topic, cfg.buffer_steps, replica, builder.events)
         self.recorder = BlockRecorder(manager.meta, manager.tpb)
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder

@@ -5,16 +5,20 @@ pool's, handed over whole at ``submit_moves``), per drop and per landing — and
 working out which block each change concerns, and building and encoding the events, to
 the publisher's thread (``kvdist.events.batcher``).
 
-What the thread cannot work out later is captured now: the hashes of registered and
-landed blocks (the slots may be reused before the thread runs) and a registration's
-token ids (one slice a call). Moves and drops name slots alone: the thread follows each
-block from slot to slot in its own copy of the slots' hashes.
+What the thread cannot work out later is captured now (the slots may be reused before
+the thread runs): the 128-bit hash of the block before a registration's first, from
+which the thread chains the registered blocks' hashes from their token ids as the
+manager did (a sequence's slots and tokens only grow: the record holds the sequence's
+own lists and the range), and a landed block's hash. Moves and drops name slots alone: the thread
+follows each block from slot to slot in its own copy of the slots' hashes.
 
 Records, oldest first:
 
-* ``(REGISTERED, slots, wire hashes, int32 token ids, parent wire hash | None)``: GPU
-  ``slots`` registered blocks of those hashes (token ids ``tokens_per_block`` a block);
-  a block whose hash is cached already stays private (no event);
+* ``(REGISTERED, slots, int32 token ids, start, end, parent 128-bit hash | None)``: a
+  sequence's GPU ``slots[start:end]`` registered its blocks ``start .. end-1``
+  (``tokens_per_block`` token ids a block), chained from the parent (None: the first
+  block, chained from the layout's salt); a block whose hash is cached already stays
+  private (no event);
 * ``(MOVED, srcs, dsts)``: the blocks of ``srcs`` moved to ``dsts``, in order;
 * ``(DROPPED, slot, after)``: the block of ``slot`` left the cache after the first
   ``after`` moves of the next ``MOVED`` record (0 when none follows in its call);
@@ -40,16 +44,17 @@ class BlockRecorder:
     and starts the next."""
 
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
-        self._lo = meta.lo_mv  # the low 64 bits of a block's hash: its wire hash
+        self._hi, self._lo = meta.hi_mv, meta.lo_mv  # a block's 128-bit hash; the low half: its wire hash
         self._tpb = tokens_per_block
         self._log: list[Record] = []
 
     # -- the BlockObserver protocol --------------------------------------------------------------
     def registered(self, slots: list[int], tokens: array, start: int, end: int) -> None:
-        lo, tpb = self._lo, self._tpb
-        run = slots[start:end]
-        self._log.append((REGISTERED, run, [lo[s] for s in run], tokens[start * tpb : end * tpb],
-                          lo[slots[start - 1]] if start else None))
+        # The sequence's own lists, not copies: they only grow (kvdist.sequences.Sequence),
+        # so what lies below ``end`` stays as it is for the thread.
+        p = slots[start - 1] if start else None
+        self._log.append((REGISTERED, slots, tokens, start, end,
+                          None if p is None else self._hi[p] << 64 | self._lo[p]))
 
     def moved(self, srcs: list[int], dsts: list[int]) -> None:
         self._log.append((MOVED, srcs, dsts))
