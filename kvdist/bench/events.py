@@ -30,7 +30,7 @@ import sys, zmq
 ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b""); s.connect(sys.argv[1])
 n = 0
 print("ready", flush=True)
-while s.poll(5000):
+while s.poll(30000):  # the runs without events in between take seconds
     s.recv_multipart(); n += 1
 print(n, flush=True)
 """
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
                 bar.update()
     received = None
     if sub is not None:
-        received = int(sub.communicate(timeout=60)[0].split()[-1])
+        received = int(sub.communicate(timeout=120)[0].split()[-1])
     steps = trace.steps
     wall = {e: min(w for w, _ in runs[e]) / steps * 1e6 for e in runs}
     cpu = {e: min(c for _, c in runs[e]) / steps * 1e6 for e in runs}
