@@ -264,6 +264,10 @@ class WorkloadConfig(_Section):
     run_ahead: bool | None = None
     # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
     request_rate: float = Field(default=2.0, gt=0)
+    # The prefix-aware router's weight of the prefill blocks a replica would compute
+    # against its active blocks (NVIDIA Dynamo's kv-overlap-score-weight; run --compare
+    # of replicas).
+    router_overlap_weight: float = Field(default=1.0, ge=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
 
 
