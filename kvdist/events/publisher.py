@@ -20,6 +20,7 @@ stays unused: subscribers see the gap."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -40,7 +41,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = None
 _MAX_QUEUE = 100_000  # batches waiting for the thread
 _HWM = 100_000  # PUB high-water mark (vLLM's)
-_FLUSH_S = 0.01  # the thread publishes what is queued at least this often (see _run)
+_POLL_S = 0.05  # the thread looks at the replay socket at least this often
 
 
 def offset_endpoint(endpoint: str, replica: int, key: str) -> str:
@@ -96,9 +97,7 @@ class EventPublisher:
             self._free_sockets()
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        # The step appends, the thread pops: no lock, nobody woken (the thread looks every _FLUSH_S).
-        self._pending: deque = deque()
-        self._wake = threading.Event()  # close wakes the thread at once
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C: put costs the step least
         self._seq = count()
         self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
@@ -116,18 +115,17 @@ class EventPublisher:
         send = seq - self._handled < _MAX_QUEUE
         if not send:
             self.dropped += 1
-        self._pending.append((seq, time.time(), records, send))
+        self._queue.put((seq, time.time(), records, send))
 
     def close(self) -> None:
         """Send what is queued, stop the thread, free the sockets (idempotent)."""
         if self._thread is None:
             return
-        self._pending.append(_STOP)
-        self._wake.set()
+        self._queue.put(_STOP)
         self._thread.join(self._linger_s)
         alive, self._thread = self._thread.is_alive(), None
         if alive:  # its sockets stay with it (a socket is one thread's at a time)
-            log.warning("kvdist events: %d batch(es) not sent by close", len(self._pending) - 1)
+            log.warning("kvdist events: %d batch(es) not sent by close", self._queue.qsize())
             return
         self._free_sockets()
 
@@ -139,22 +137,20 @@ class EventPublisher:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        """Every ``_FLUSH_S`` (at once for a replay request or ``close``): publish what
-        is queued, then answer the replay requests waiting, so a replay holds every
-        batch submitted before its request came. Waking on a timer rather than on each
-        batch keeps the thread from taking the interpreter from the step every step."""
+        """Publish what is queued, then answer the replay requests waiting: a replay
+        holds every batch submitted before its request came."""
         pack = encoder()
-        replay, pending, wake = self._replay, self._pending, self._wake
+        replay, get = self._replay, self._queue.get
         while True:
-            if replay is not None:
-                replay.poll(int(_FLUSH_S * 1000))
-            else:
-                wake.wait(_FLUSH_S)
-            while pending:
-                item = pending.popleft()
-                if item is _STOP:
-                    return
-                self._publish(pack, *item)
+            try:
+                item = get(timeout=_POLL_S)
+                while True:
+                    if item is _STOP:
+                        return
+                    self._publish(pack, *item)
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                pass
             while replay is not None and replay.poll(0):
                 self._serve_replay(replay)
 
