@@ -25,7 +25,8 @@ block by block, each through the cascade). ``batch_moves = False`` moves block b
 throughout (``bench manager`` shows both). When a host
 slot gets or loses its block, ``host_observer`` hears it, from ``_host_changed``
 alone; when a cached block enters, moves between or leaves the tiers, ``block_observer``
-hears it (the KV cache events, ``kvdist.events``; None costs one test per change)."""
+hears it (the KV cache events, ``kvdist.events``): moves once per run, at
+``submit_moves``; None costs one test per run or drop."""
 
 from __future__ import annotations
 
@@ -79,11 +80,14 @@ class BlockObserver(Protocol):
         """Blocks ``start .. end-1`` of a sequence (GPU ``slots``, int32 ``tokens``) were
         registered: those now CACHED entered the cache (the others were already cached)."""
 
-    def moved(self, src: int, dst: int) -> None:
-        """The cached block of ``src`` now lives in ``dst``, of another tier."""
+    def moved(self, srcs: list[int], dsts: list[int]) -> None:
+        """The cached block of each of ``srcs`` now lives in the ``dsts`` slot of the same
+        index (another tier), moved in that order: the pool's run of moves, handed over
+        whole at ``submit_moves`` (the lists are the observer's from then on)."""
 
-    def dropped(self, slot: int) -> None:
-        """The cached block of ``slot`` left the cache."""
+    def dropped(self, slot: int, after: int) -> None:
+        """The cached block of ``slot`` left the cache, after the first ``after`` moves of
+        the run that the next ``moved`` hands over (made while that run was pending)."""
 
     def landed(self, slot: int) -> None:
         """``slot`` holds a cached block fetched from another replica."""
@@ -221,8 +225,6 @@ class BlockPool:
         self.counters.blocks_moved[along.name] += 1
         if self.host_observer is not None:
             self._host_changed(src, dst)
-        if self.block_observer is not None:
-            self.block_observer.moved(src, dst)
 
     def move_run(self, srcs: list[int], dsts: list[int], along: Route) -> None:
         """``move`` of each pair, in order, at once (``batch_moves``); the slots of
@@ -266,9 +268,13 @@ class BlockPool:
                 if i == len(routes) or routes[i] is not routes[start]:
                     self._queue_copies(routes[start], srcs[start:i], dsts[start:i])
                     start = i
-        srcs.clear()
-        dsts.clear()
-        routes.clear()
+        if self.block_observer is not None:  # the run, handed over whole: a new one starts
+            self.block_observer.moved(srcs, dsts)
+            self._moves = ([], [], [])
+        else:
+            srcs.clear()
+            dsts.clear()
+            routes.clear()
         self.transfer_seconds += time.perf_counter() - t0
 
     def _queue_copies(self, along: Route, srcs: list[int], dsts: list[int]) -> None:
@@ -353,7 +359,7 @@ class BlockPool:
         if self.host_observer is not None:
             self._host_changed(slot, NO_SLOT)
         if self.block_observer is not None:
-            self.block_observer.dropped(slot)
+            self.block_observer.dropped(slot, len(self._moves[0]))
 
     def make_free(self, tier: int, n: int) -> None:
         """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or

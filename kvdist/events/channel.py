@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..config import EventsConfig
 from ..manager import CacheManager
+from .batcher import EventBuilder
 from .publisher import EventPublisher, offset_endpoint
 from .recorder import BlockRecorder
 
@@ -18,11 +19,12 @@ class KVEvents:
 
     def __init__(self, cfg: EventsConfig, replica: int, manager: CacheManager):
         replay = cfg.replay_endpoint
+        builder = EventBuilder(manager.space, manager.tpb, manager.salt)
         self.publisher = EventPublisher(
             offset_endpoint(cfg.endpoint, replica, "cache.events.endpoint"),
             None if replay is None else offset_endpoint(replay, replica, "cache.events.replay_endpoint"),
-            cfg.topic, cfg.buffer_steps, replica, manager.tpb)
-        self.recorder = BlockRecorder(manager.meta, manager.space, manager.tpb)
+            cfg.topic, cfg.buffer_steps, replica, builder.events)
+        self.recorder = BlockRecorder(manager.meta, manager.tpb)
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder
 

@@ -12,8 +12,10 @@
 
 Both sockets bind (kvdist publishes; routers connect). ``submit`` only queues a step's
 records with their sequence number; a background thread builds the events, encodes,
-sends and serves replays, off the step's path. A batch the queue cannot take is
-dropped and counted, and its number stays unused: subscribers see the gap."""
+sends and serves replays, off the step's path. A batch submitted while
+``_MAX_QUEUE`` others wait is dropped and counted: the thread still builds it (the
+builder follows every block through every record) but never sends it, and its number
+stays unused: subscribers see the gap."""
 
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from itertools import count
 
 import zmq
 
 from ..errors import ConfigError
-from .batcher import events_of
 from .recorder import Record
-from .wire import KVEventBatch, encoder
+from .wire import KVCacheEvent, KVEventBatch, encoder
 
 __all__ = ["END_SEQ", "EventPublisher", "offset_endpoint"]
 
@@ -74,9 +76,10 @@ class EventPublisher:
     docstring). ``close`` sends what is queued (at most ``linger_s``) and frees both."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
-                 data_parallel_rank: int, block_size: int, linger_s: float = 1.0):
+                 data_parallel_rank: int, build: Callable[[list[Record]], list[KVCacheEvent]],
+                 linger_s: float = 1.0):
         self.data_parallel_rank = data_parallel_rank
-        self._block_size = block_size
+        self._build = build  # a step's records -> its events, on the thread (every batch, in order)
         self._topic = topic.encode()
         self._linger_s = linger_s
         self._ctx = zmq.Context()
@@ -98,7 +101,8 @@ class EventPublisher:
         self._seq = count()
         self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
-        self.dropped = 0  # batches the queue could not take
+        self.dropped = 0  # batches submitted past _MAX_QUEUE waiting: built, never sent
+        self._handled = 0  # batches the thread is done with (sent or not)
         self.replays = 0  # replay requests answered
         self.thread_seconds = 0.0  # CPU time the thread spent publishing (building, encoding, sending)
         self._thread = threading.Thread(target=self._run, name="kvdist-events", daemon=True)
@@ -108,10 +112,10 @@ class EventPublisher:
         """Queue one step's records as the next batch (never blocks)."""
         seq = next(self._seq)
         self.submitted = seq + 1
-        if self._queue.qsize() < _MAX_QUEUE:
-            self._queue.put((seq, time.time(), records))
-        else:
+        send = seq - self._handled < _MAX_QUEUE
+        if not send:
             self.dropped += 1
+        self._queue.put((seq, time.time(), records, send))
 
     def close(self) -> None:
         """Send what is queued, stop the thread, free the sockets (idempotent)."""
@@ -150,17 +154,22 @@ class EventPublisher:
             while replay is not None and replay.poll(0):
                 self._serve_replay(replay)
 
-    def _publish(self, pack, seq: int, ts: float, records: list[Record]) -> None:
+    def _publish(self, pack, seq: int, ts: float, records: list[Record], send: bool) -> None:
         t0 = time.thread_time()
         try:
-            payload = pack.encode(KVEventBatch(ts=ts, events=events_of(records, self._block_size),
+            events = self._build(records)  # every batch: the builder follows the blocks
+            if not send:
+                return
+            payload = pack.encode(KVEventBatch(ts=ts, events=events,
                                                data_parallel_rank=self.data_parallel_rank))
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
             self._buffer.append((seq, payload))
             self.published += 1
         except Exception:  # the stream shows the gap; the thread carries on
             log.exception("kvdist events: batch %d not published", seq)
-        self.thread_seconds += time.thread_time() - t0
+        finally:
+            self._handled += 1
+            self.thread_seconds += time.thread_time() - t0
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()

@@ -1,0 +1,117 @@
+"""The events' two halves without sockets: the pool's block observer (the recorder, on
+the step's thread) and the builder (the publisher's thread) turn a manager's block
+changes into events that, applied in order, give each tier's blocks exactly — after
+every step, through the eviction cascade's corner cases."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("msgspec")
+
+from kvdist.events.batcher import EventBuilder  # noqa: E402
+from kvdist.events.recorder import BlockRecorder  # noqa: E402
+from kvdist.events.wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from kvdist.layout import KVLayout  # noqa: E402
+from kvdist.manager import CacheManager  # noqa: E402
+from kvdist.transfer.executors import NullExecutor  # noqa: E402
+
+TPB = 4
+
+
+class Stream:
+    """A manager with the recorder on its pool, each step's records built right away,
+    the events applied to per-medium sets."""
+
+    def __init__(self, capacity: tuple[int, int, int]):
+        self.m = CacheManager(KVLayout(1, 1, 1, "float16", TPB), capacity, NullExecutor())
+        self.recorder = BlockRecorder(self.m.meta, TPB)
+        self.builder = EventBuilder(self.m.space, TPB, self.m.salt)
+        self.m.pool.block_observer = self.recorder
+        self.held: dict[str, set[int]] = {m: set() for m in MEDIA}
+        self.events: list = []
+
+    def step(self, adds=(), appends=(), releases=()) -> None:
+        m = self.m
+        m.begin_step()
+        for sid, tokens in adds:
+            m.add_sequence(sid, tokens)
+        for sid, tokens in appends:
+            m.append_tokens(sid, tokens)
+        m.before_compute()
+        m.end_step()
+        for sid in releases:
+            m.release(sid)
+        self.apply()
+
+    def apply(self) -> None:
+        events = self.builder.events(self.recorder.take())
+        self.events += events
+        for ev in events:
+            if type(ev) is BlockStored:
+                for h in ev.block_hashes:
+                    assert h not in self.held[ev.medium], f"{h:#x} stored twice in {ev.medium}"
+                    self.held[ev.medium].add(h)
+            elif type(ev) is BlockRemoved:
+                for h in ev.block_hashes:
+                    self.held[ev.medium].remove(h)
+            else:
+                assert type(ev) is AllBlocksCleared
+                for s in self.held.values():
+                    s.clear()
+
+    def content(self) -> dict[str, set[int]]:
+        m = self.m
+        out: dict[str, set[int]] = {mm: set() for mm in MEDIA}
+        for s in m.index.slots().tolist():
+            out[MEDIA[m.space.tier_of(s)]].add(int(m.meta.hash_lo[s]))
+        return out
+
+
+def blocks(first: int, n: int) -> list[int]:
+    return [first + i for i in range(n * TPB)]
+
+
+def test_a_block_moved_in_and_dropped_in_one_run_of_moves():
+    """GPU 4, host 1, no disk: freeing two GPU slots offloads the coldest block into
+    the host slot, then evicts it from there (dropped: no colder tier) to offload the
+    next into the same slot — a drop between two moves of one run, the second into the
+    slot the drop freed."""
+    s = Stream((4, 1, 0))
+    s.step(adds=[("a", blocks(0, 2))], releases=["a"])
+    assert s.held == s.content() and len(s.held["GPU"]) == 2
+    evictions, dropped = s.m.counters.evictions[0], s.m.counters.dropped
+    s.step(adds=[("b", blocks(100, 4))])
+    assert s.m.counters.evictions[0] - evictions == 2 and s.m.counters.dropped - dropped == 1
+    assert s.held == s.content()
+    assert len(s.held["CPU"]) == 1 and len(s.held["GPU"]) == 4
+
+
+@pytest.mark.parametrize("capacity", [(10, 1, 0), (10, 2, 1), (12, 3, 2), (16, 6, 12)])
+def test_every_step_rebuilds_every_tier(capacity):
+    """Shared prefixes, decode growth, releases and re-admissions over small tiers:
+    after every step, the events applied so far give exactly what each tier indexes."""
+    s = Stream(capacity)
+    prefixes = [blocks(1000 * k, 3) for k in range(5)]
+    for step in range(80):
+        prompt = prefixes[step % 5][: (step % 3 + 1) * TPB] + [step, step + 1]
+        s.step(adds=[(step, prompt)], appends=[(step - 1, [step] * 3)] if step else [],
+               releases=[step - 1] if step else [])
+        assert s.held == s.content(), f"step {step}"
+    s.m.release(79)
+    s.apply()
+    assert s.held == s.content()
+    c = s.m.counters
+    assert sum(c.blocks_moved.values()) > 0 and c.evictions[0] > 0, "the churn must move blocks"
+
+
+def test_a_block_computed_again_while_cached_is_stored_once():
+    """A prompt of whole blocks, all cached: its last block is computed again into a
+    private slot and registered there (the index keeps the cached one): no event."""
+    s = Stream((10, 2, 2))
+    s.step(adds=[("a", blocks(0, 2))], releases=["a"])
+    stored = [e for e in s.events if type(e) is BlockStored]
+    assert [len(e.block_hashes) for e in stored] == [2]
+    s.step(adds=[("b", blocks(0, 2))], releases=["b"])
+    assert [e for e in s.events if type(e) is BlockStored] == stored
+    assert s.held == s.content() and len(s.held["GPU"]) == 2
