@@ -6,7 +6,7 @@ tiers is one contiguous copy of ``bytes_per_block`` bytes."""
 
 from __future__ import annotations
 
-__all__ = ["KVLayout"]
+__all__ = ["EnginePieces", "KVLayout", "LayerGroups"]
 
 from dataclasses import dataclass
 
@@ -26,6 +26,21 @@ class LayerGroups:
 
     def __len__(self) -> int:
         return len(self.spans)
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePieces:
+    """A kvdist block cut as an engine's tensors hold it: ``per_layer`` pieces of
+    ``piece_bytes`` per layer; in a kvdist block they follow one another, layer 0's
+    first (``offset``), so kvdist keeps the engine's bytes as they are."""
+
+    num_layers: int
+    per_layer: int
+    piece_bytes: int
+
+    def offset(self, layer: int, piece: int) -> int:
+        """Where piece ``piece`` of ``layer`` starts in a kvdist block."""
+        return (layer * self.per_layer + piece) * self.piece_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,17 +73,13 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         return self.num_layers * self.bytes_per_layer
 
-    @property
-    def piece_bytes(self) -> int:
-        """Bytes of one layer's K (or V) in one block: the unit an engine's paged
-        tensors hold a block in (``cache.gpu: external``: per layer, K of block b is one
-        piece, V another). A kvdist block is its ``2 * num_layers`` pieces in order
-        (layer 0's K, layer 0's V, layer 1's K, ...): ``piece_offset``."""
-        return self.bytes_per_layer // 2
-
-    def piece_offset(self, layer: int, kv: int) -> int:
-        """Where the piece of ``layer``'s K (``kv`` 0) or V (1) starts in a kvdist block."""
-        return (2 * layer + kv) * self.piece_bytes
+    def engine_pieces(self, per_layer: int) -> EnginePieces:
+        """A block as an engine's per-layer paged tensors hold it (``cache.gpu:
+        external``): ``per_layer`` contiguous pieces in each layer's tensor — 1 where a
+        block of a layer is one dense run (vLLM 0.33's layouts, K and V side by side), 2
+        where K and V are apart (``[2, num_blocks, ...]``)."""
+        assert per_layer in (1, 2), f"a layer holds a block in 1 or 2 pieces, not {per_layer}"
+        return EnginePieces(self.num_layers, per_layer, self.bytes_per_layer // per_layer)
 
     def layers_in(self, span: tuple[int, int]) -> range:
         """The layers whose K and V fill the byte ``span`` of a block (a layer group's)."""

@@ -14,9 +14,9 @@ Two sides, as an engine's KV connector has them:
 
 from .build import create
 from .cache import ExternalCache, Finished
-from .plan import Job, LoadPlan, SavePlan, TierPlan, Transfers
+from .plan import Job, LoadPlan, Prompt, SavePlan, TierPlan, Transfers
 from .planner import ExternalPlanner, tier_plan
 from .tier import ExternalGpuTier
 
-__all__ = ["ExternalCache", "ExternalGpuTier", "ExternalPlanner", "Finished", "Job", "LoadPlan", "SavePlan",
-           "TierPlan", "Transfers", "create", "tier_plan"]
+__all__ = ["ExternalCache", "ExternalGpuTier", "ExternalPlanner", "Finished", "Job", "LoadPlan", "Prompt",
+           "SavePlan", "TierPlan", "Transfers", "create", "tier_plan"]

@@ -2,8 +2,9 @@
 and disk tiers when every tier is CPU-addressable: the handlers the CPU executors
 (``SyncExecutor``, ``SimExecutor``) run, one per route, the same interface as
 ``kvdist.transfer.HostCopies``. A block moves as its pieces, one vectorized copy per
-layer: the engine's ``[2, blocks, piece]`` view of a layer against the host rows seen
-as ``[block, layer, k|v, piece]``."""
+layer (one in all when the engine's layers lie in one allocation): the engine's
+``[pieces, blocks, bytes]`` view of a layer against the host rows seen as ``[block,
+layer, piece, bytes]`` (``ExternalGpuTier.gather``, ``scatter``)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ class ExternalCopies:
     def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None):
         self.gpu, self.host, self.disk = gpu, host, disk
         self._cold = HostCopies(None, host, disk)  # demote and promote touch no GPU memory
-        layout = gpu.layout
-        self._all = range(layout.num_layers)
-        self._shape = (layout.num_layers, 2, layout.piece_bytes)
+        self._all = range(gpu.layout.num_layers)
         self._handlers: dict[Route, Callable[[list[int], list[int], range], None]] = {
             OFFLOAD: self._offload, ONBOARD: self._onboard, SPILL: self._spill, RELOAD: self._reload}
 
@@ -45,40 +44,22 @@ class ExternalCopies:
         assert route in (OFFLOAD, ONBOARD), f"{route} is not copied by layer group"
         self._handlers[route](src, dst, self.gpu.layout.layers_in(span))
 
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.view(rows.shape[0], *self._shape)
-
-    def gather(self, blocks: list[int], rows: torch.Tensor, layers: range) -> None:
-        """``rows[i]`` (kvdist block bytes) <- the pieces of engine block ``blocks[i]``."""
-        idx = torch.tensor(blocks, dtype=torch.int64)
-        out = self._rows(rows)
-        for layer in layers:
-            out[:, layer] = self.gpu.pieces(layer)[:, idx].transpose(0, 1)
-
-    def scatter(self, rows: torch.Tensor, blocks: list[int], layers: range) -> None:
-        """The pieces of engine block ``blocks[i]`` <- ``rows[i]`` (kvdist block bytes)."""
-        idx = torch.tensor(blocks, dtype=torch.int64)
-        src = self._rows(rows)
-        for layer in layers:
-            self.gpu.pieces(layer)[:, idx] = src[:, layer].transpose(0, 1)
+    @staticmethod
+    def _index(slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int64)
 
     def _offload(self, src: list[int], dst: list[int], layers: range) -> None:
-        rows = torch.empty((len(src), self.block_bytes), dtype=torch.uint8)
-        self.gather(src, rows, layers)
-        h = self._rows(self.host.raw)
-        idx = torch.tensor(dst, dtype=torch.int64)
-        for layer in layers:
-            h[idx, layer] = self._rows(rows)[:, layer]
+        self.gpu.gather(self._index(src), self.host.raw, layers, at=self._index(dst))
 
     def _onboard(self, src: list[int], dst: list[int], layers: range) -> None:
-        self.scatter(self.host.raw[torch.tensor(src, dtype=torch.int64)], dst, layers)
+        self.gpu.scatter(self.host.raw[self._index(src)], self._index(dst), layers)
 
     def _spill(self, src: list[int], dst: list[int], layers: range) -> None:
         rows = torch.empty((len(src), self.block_bytes), dtype=torch.uint8)
-        self.gather(src, rows, layers)
+        self.gpu.gather(self._index(src), rows, layers, at=torch.arange(len(src)))
         self.disk.write_blocks(dst, list(rows))
 
     def _reload(self, src: list[int], dst: list[int], layers: range) -> None:
         rows = torch.empty((len(src), self.block_bytes), dtype=torch.uint8)
         self.disk.read_blocks(src, list(rows))
-        self.scatter(rows, dst, layers)
+        self.gpu.scatter(rows, self._index(dst), layers)

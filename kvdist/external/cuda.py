@@ -1,14 +1,125 @@
-"""The CUDA executor with the engine's tensors as the GPU tier (``cache.gpu: external``)."""
+"""The CUDA executor with the engine's tensors as the GPU tier (``cache.gpu: external``).
+Everything but the GPU side of a copy is ``CudaExecutor``'s (streams, events, layer
+groups, disk workers, bounce buffers, the ordering it is handed); a copy that touches
+the engine's blocks moves each block as its pieces (``ExternalGpuTier``), one of two
+ways:
+
+* ``direct``: every piece is one entry of a batched copy (``cudaMemcpyBatchAsync``)
+  between its host bytes and its place in the engine's tensor: ``num_layers x pieces``
+  entries a block. The copy engines move small pieces slowly (16-token blocks of an 8B
+  model: 64 KiB a layer at TP 1, 8 KiB at TP 8; ``scripts/gpu/piece_probe.py``).
+* ``staged``: whole kvdist blocks (their layer group's bytes) are copied between host
+  and a device staging buffer at the copy engines' full rate, and one kernel a layer
+  group (a layer, where the engine's layers are separate allocations) scatters the
+  pieces into the engine's blocks or gathers them out, on the same stream. The stream's
+  order keeps the staging buffer safe across chunks; its memory is ``stage_bytes`` a
+  stream, allocated on first use.
+
+``auto`` is ``staged`` when a piece is smaller than ``min_piece`` (the copy engines'
+full-rate size, ``cache.min_copy_piece``), else ``direct``. ``scripts/gpu/external_probe.py``
+measures both."""
 
 from __future__ import annotations
 
-from ..transfer.cuda import CudaExecutor
+import contextlib
 
-__all__ = ["ExternalCudaExecutor"]
+import numpy as np
+import torch
+
+from ..layout import LayerGroups
+from ..storage import DiskPool, HostPool
+from ..transfer.cuda import CudaExecutor
+from ..transfer.executors import BatchLog
+from .tier import ExternalGpuTier
+
+__all__ = ["GATHER_MODES", "STAGE_BYTES", "ExternalCudaExecutor"]
+
+GATHER_MODES = ("auto", "staged", "direct")
+STAGE_BYTES = 64 << 20  # a stream's staging buffer
 
 
 class ExternalCudaExecutor(CudaExecutor):
-    """Being written: copies a block as its pieces in the engine's per-layer tensors."""
+    """``CudaExecutor`` over the engine's tensors (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("cache.gpu: external on CUDA is being written")
+    def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None,
+                 device: torch.device, *, path: str | None = None, disk_threads: int = 2,
+                 log: BatchLog | None = None, groups: LayerGroups | None = None, gather: str = "auto",
+                 min_piece: int = 256 << 10, stage_bytes: int = STAGE_BYTES):
+        assert gather in GATHER_MODES, f"gather is one of {GATHER_MODES}, not {gather!r}"
+        super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
+                         groups=groups)
+        if gather == "auto":
+            gather = "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct"
+        self.gather = gather
+        self._stage_blocks = max(1, stage_bytes // self.block_bytes)
+        self._stages: dict[int, torch.Tensor] = {}  # by stream
+        pieces = gpu.pieces_of
+        self._offsets = np.array([[pieces.offset(layer, p) for p in range(pieces.per_layer)]
+                                  for layer in range(pieces.num_layers)], dtype=np.int64)
+
+    def _gpu_rows(self):
+        return self.gpu  # the tier itself: _rows_copy moves its blocks piece by piece
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked}
+
+    def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
+                   span: tuple[int, int] | None = None, **chunks: int) -> None:
+        gpu = self.gpu
+        if src_rows is not gpu and dst_rows is not gpu:
+            return super()._rows_copy(st, src_rows, dst_rows, s, d, span, **chunks)
+        to_gpu = dst_rows is gpu
+        rows, at, blocks = (src_rows, s, d) if to_gpu else (dst_rows, d, s)
+        chunk = chunks.get("src_chunk" if to_gpu else "dst_chunk", 0)
+        layers = range(gpu.layout.num_layers) if span is None else gpu.layout.layers_in(span)
+        if self.gather == "direct":
+            self._direct(st, rows, at, blocks, layers, to_gpu)
+        else:
+            self._staged(st, rows, at, blocks, layers, span, to_gpu, chunk)
+
+    def _direct(self, st, rows: torch.Tensor, at: np.ndarray, blocks: np.ndarray, layers: range,
+                to_gpu: bool) -> None:
+        """One batched copy, an entry per piece."""
+        engine = self.gpu.piece_pointers(blocks, layers).ravel()
+        offs = self._offsets[layers.start:layers.stop][None, :, :]
+        host = (rows.data_ptr() + np.asarray(at, dtype=np.int64)[:, None, None] * rows.stride(0)
+                + offs).astype(np.uint64).ravel()
+        sizes = np.full(len(engine), self.gpu.pieces_of.piece_bytes, dtype=np.uint64)
+        dsts, srcs = (engine, host) if to_gpu else (host, engine)
+        self.copier.copy_pointers(st, dsts, srcs, sizes)
+
+    def _stage(self, st) -> torch.Tensor:
+        buf = self._stages.get(id(st))
+        if buf is None:
+            buf = torch.empty((self._stage_blocks, self.block_bytes), dtype=torch.uint8, device=self.device)
+            self._stages[id(st)] = buf
+        return buf
+
+    def _staged(self, st, rows: torch.Tensor, at: np.ndarray, blocks: np.ndarray, layers: range,
+                span: tuple[int, int] | None, to_gpu: bool, chunk: int) -> None:
+        """Whole blocks (``span`` of each) through the stream's staging buffer, a chunk
+        of it at a time; the pieces scattered or gathered by kernels on ``st``."""
+        stage = self._stage(st)
+        lo, hi = span if span is not None else (0, self.block_bytes)
+        part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
+        k = self._stage_blocks
+        for i in range(0, len(at), k):
+            a, b = np.asarray(at[i:i + k], dtype=np.int64), np.asarray(blocks[i:i + k], dtype=np.int64)
+            n = len(a)
+            here = np.arange(n, dtype=np.int64)
+            with self._on(st):
+                idx = torch.from_numpy(b).to(self.device)  # pageable: consumed before this returns (S3)
+                if to_gpu:
+                    self.copier.copy(st, part(rows), part(stage), a, here, src_chunk=chunk)
+                    self.gpu.scatter(stage[:n], idx, layers)
+                else:
+                    self.gpu.gather(idx, stage, layers, at=torch.arange(n, device=self.device))
+                    self.copier.copy(st, part(stage), part(rows), here, a, dst_chunk=chunk)
+
+    def _on(self, st):
+        """Kernels queued inside go on ``st`` (no-op off CUDA: the executor's tests on CPU)."""
+        return torch.cuda.stream(st) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def close(self) -> None:
+        super().close()
+        self._stages.clear()

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..transfer import ROUTES, Route
 
-__all__ = ["LOAD", "SAVE", "Job", "LoadPlan", "SavePlan", "TierPlan", "Transfers"]
+__all__ = ["LOAD", "SAVE", "Job", "LoadPlan", "Prompt", "SavePlan", "TierPlan", "Transfers"]
 
 LOAD, SAVE = "load", "save"
 
@@ -25,6 +25,16 @@ class TierPlan:
 
     host_blocks: int
     disk_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt as the planner matches it: its length and the chained 128-bit hashes of
+    its full blocks (``ExternalPlanner.prompt``: kvdist's own, from the tokens; or the
+    engine's block keys, ``ExternalPlanner.prompt_of_keys``)."""
+
+    num_tokens: int
+    hashes: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,9 @@ since the last ``take``."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
+
+import xxhash
 
 from ..block_pool import BlockPool
 from ..blocks import DISK, HOST, NO_SLOT, BlockMeta, SlotSpace
@@ -31,7 +33,7 @@ from ..layout import KVLayout
 from ..prefix import PrefixIndex, chain_hashes, token_bytes
 from ..recompute_policy import RecomputePolicy
 from ..transfer import OFFLOAD, ONBOARD, RELOAD, ROUTES, SPILL, Route
-from .plan import LOAD, SAVE, Job, LoadPlan, SavePlan, TierPlan, Transfers
+from .plan import LOAD, SAVE, Job, LoadPlan, Prompt, SavePlan, TierPlan, Transfers
 
 __all__ = ["ExternalPlanner", "tier_plan"]
 
@@ -84,13 +86,22 @@ class ExternalPlanner:
         self._salt = self.layout.hash_salt()
         self._save_tier = HOST if self.tiers.host_blocks else DISK
 
-    # -- hashes -------------------------------------------------------------------------------
-    def block_hashes(self, tokens: Sequence[int] | Iterable[int], blocks: int | None = None) -> list[int]:
-        """kvdist's chained hashes of the leading full blocks of ``tokens`` (all of them,
-        or the first ``blocks``)."""
+    # -- prompts -------------------------------------------------------------------------------
+    def prompt(self, tokens: Sequence[int]) -> Prompt:
+        """A prompt keyed by kvdist's chained hashes of its tokens' full blocks."""
         tok = token_bytes(tokens)
         full = len(tok) // (4 * self.tpb)
-        return chain_hashes(self._salt, tok, 0, full if blocks is None else min(blocks, full), self.tpb)
+        return Prompt(len(tok) // 4, tuple(chain_hashes(self._salt, tok, 0, full, self.tpb)))
+
+    def prompt_of_keys(self, keys: Sequence[bytes], num_tokens: int) -> Prompt:
+        """A prompt of ``num_tokens`` keyed by the engine's own chained block keys, one
+        per full block (vLLM's block hashes: they cover what the tokens do not, LoRA
+        adapters and multimodal inputs), hashed with kvdist's geometry salt."""
+        assert len(keys) <= num_tokens // self.tpb, f"{len(keys)} block keys for {num_tokens} tokens"
+        return Prompt(num_tokens, tuple(xxhash.xxh3_128_intdigest(self._salt + bytes(k)) for k in keys))
+
+    def _prompt(self, prompt: Prompt | Sequence[int]) -> Prompt:
+        return prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
 
     def _held(self, hashes: list[int], first: int) -> list[int]:
         """Slots of the longest run of ``hashes[first:]`` kvdist holds, cut where loading
@@ -101,19 +112,20 @@ class ExternalPlanner:
         return slots[: self.policy.cut([self.space.tier_of(s) for s in slots])]
 
     # -- loads ------------------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], gpu_hit_tokens: int = 0) -> int:
+    def lookup(self, prompt: Prompt | Sequence[int], gpu_hit_tokens: int = 0) -> int:
         """Tokens after the engine's own GPU hit (``gpu_hit_tokens``, whole blocks) that
         kvdist holds in its host and disk tiers and that are worth loading rather than
         computing; never the whole prompt (one token is always left to compute).
         Changes nothing."""
         assert gpu_hit_tokens % self.tpb == 0, f"a GPU hit of {gpu_hit_tokens} tokens is not whole blocks"
-        usable = max(len(tokens) - 1, 0) // self.tpb
+        p = self._prompt(prompt)
+        usable = min(max(p.num_tokens - 1, 0) // self.tpb, len(p.hashes))
         first = gpu_hit_tokens // self.tpb
         if first >= usable:
             return 0
-        return len(self._held(self.block_hashes(tokens, usable), first)) * self.tpb
+        return len(self._held(list(p.hashes[:usable]), first)) * self.tpb
 
-    def plan_load(self, request_id: Hashable, tokens: Sequence[int], engine_blocks: Sequence[int],
+    def plan_load(self, request_id: Hashable, prompt: Prompt | Sequence[int], engine_blocks: Sequence[int],
                   gpu_hit_tokens: int = 0) -> LoadPlan:
         """Queue loads into ``engine_blocks`` (the engine's block ids for the blocks
         right after its GPU hit, one per block ``lookup`` counted): each gets the block
@@ -121,35 +133,32 @@ class ExternalPlanner:
         assert gpu_hit_tokens % self.tpb == 0, f"a GPU hit of {gpu_hit_tokens} tokens is not whole blocks"
         first = gpu_hit_tokens // self.tpb
         want = list(engine_blocks)
-        hashes = self.block_hashes(tokens, first + len(want))
-        slots = self.index.match(hashes[first:first + len(want)])
+        hashes = list(self._prompt(prompt).hashes[first:first + len(want)])
+        slots = self.index.match(hashes)
         job = len(self._jobs)
-        lru = self.pool.lru
-        for s, e in zip(slots, want):
-            tier = self.space.tier_of(s)
+        tiers = [self.space.tier_of(s) for s in slots]
+        for s, tier, e in zip(slots, tiers, want):
             route = ONBOARD if tier == HOST else RELOAD
             self._rows.append((_ROUTE_ID[route], s - self.space.base[tier], e, job))
-            lru[tier].remove(s)  # most recently used now
-            lru[tier].push(s)
             self.counters.hit_tokens[tier] += self.tpb
+        self._touch(hashes[:len(slots)])
         loaded, failed = tuple(want[:len(slots)]), tuple(want[len(slots):])
         self._jobs.append(Job(request_id, LOAD, loaded, failed))
         return LoadPlan(request_id, loaded, failed, len(slots) * self.tpb)
 
     # -- saves --------------------------------------------------------------------------------------
-    def saveable(self, tokens: Sequence[int], first_block: int = 0) -> int:
-        """How many full blocks of ``tokens`` from ``first_block`` on kvdist does not hold
+    def saveable(self, prompt: Prompt | Sequence[int], first_block: int = 0) -> int:
+        """How many full blocks of the prompt from ``first_block`` on kvdist does not hold
         yet (what ``plan_save`` would copy, slots permitting). Changes nothing."""
-        hashes = self.block_hashes(tokens)
-        return sum(self.index.find(h) == NO_SLOT for h in hashes[first_block:])
+        return sum(self.index.find(h) == NO_SLOT for h in self._prompt(prompt).hashes[first_block:])
 
-    def plan_save(self, request_id: Hashable, tokens: Sequence[int], engine_blocks: Sequence[int],
+    def plan_save(self, request_id: Hashable, prompt: Prompt | Sequence[int], engine_blocks: Sequence[int],
                   first_block: int = 0, priority: int = DEFAULT_PRIORITY) -> SavePlan:
-        """Queue saves of the full blocks of ``tokens`` from ``first_block`` on, held in
+        """Queue saves of the full blocks of the prompt from ``first_block`` on, held in
         ``engine_blocks`` (one per block, in order), that kvdist does not hold yet: each
         takes a slot of the warmest tier kvdist keeps, evicting that tier's coldest block
         one tier colder (or dropping it). A block with no slot to be had is dropped."""
-        hashes = self.block_hashes(tokens, first_block + len(engine_blocks))[first_block:]
+        hashes = self._prompt(prompt).hashes[first_block:first_block + len(engine_blocks)]
         tier = self._save_tier
         route = OFFLOAD if tier == HOST else SPILL
         job, saved, held, dropped = len(self._jobs), [], 0, 0
@@ -167,9 +176,20 @@ class ExternalPlanner:
             assert landed, "a hash not indexed a moment ago is indexed"
             saved.append(int(e))
             self.counters.blocks_moved[route.name] += 1
+        self._touch(hashes)
         self._jobs.append(Job(request_id, SAVE, tuple(saved)))
         return SavePlan(request_id, tuple(saved), held, dropped)
 
+    def _touch(self, hashes) -> None:
+        """The prompt's blocks kvdist holds become their tiers' most recently used, the
+        tail first: a prefix is evicted from its end."""
+        lru, find, tier_of = self.pool.lru, self.index.find, self.space.tier_of
+        for h in reversed(hashes):
+            s = find(h)
+            if s != NO_SLOT:
+                t = tier_of(s)
+                lru[t].remove(s)
+                lru[t].push(s)
     # -- shipping -----------------------------------------------------------------------------------
     def take(self) -> Transfers:
         """The copies queued since the last call, in order, and their jobs (for the

@@ -4,15 +4,21 @@ the engine owns the blocks and its own prefix cache; kvdist only copies whole bl
 between these tensors and its host and disk tiers, addressing a block by the engine's
 block id.
 
-A layer's tensor is vLLM's FlashAttention layout, ``[2, num_blocks, block_size,
-num_kv_heads, head_size]`` (``kv_dim=0``; ``kv_dim=1`` is FlashInfer's ``[num_blocks,
-2, ...]``), in any stride order whose trailing ``[block_size, heads, head_size]`` part of
-one block is dense: vLLM's NHD (identity) and HND (``(0, 1, 3, 2, 4)``) orders, and
-per-layer views of its cross-layer ``[num_blocks, num_layers, 2, ...]`` allocation,
-all qualify. One layer's K (or V) of one block is then one contiguous *piece* of
-``KVLayout.piece_bytes``, and a kvdist block is the block's ``2 * num_layers`` pieces
-in order (``KVLayout.piece_offset``): the bytes are copied as the engine lays them out,
-so a block goes back into any engine block of the same layout unchanged."""
+Two shapes of a layer's tensor are understood, in any stride order in which one
+block's part is dense (its bytes one contiguous run):
+
+* vLLM 0.33's view, 4-D ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K and
+  V side by side in the last dim; ``vllm/v1/kv_cache_interface.py``): physical orders
+  LBNHC (FlashAttention's and FlashInfer's default), LBHNC (HND), and the block-outermost
+  BL.. ones. A block of a layer is one piece.
+* the older 5-D ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+  (FlashAttention's ``get_kv_cache_shape`` before 0.33; ``kv_dim=1``: FlashInfer's
+  ``[num_blocks, 2, ...]``), NHD or HND strides: K and V of a block are two pieces (one,
+  when they are adjacent).
+
+A kvdist block is the engine block's pieces in order (``KVLayout.engine_pieces``), the
+bytes as the engine lays them out: a block goes back into any engine block of the same
+deployment unchanged."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..errors import ConfigError
-from ..layout import KVLayout
+from ..layout import EnginePieces, KVLayout
 
 __all__ = ["ExternalGpuTier"]
 
@@ -40,8 +46,8 @@ def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
 
 class ExternalGpuTier:
     """The engine's KV tensors as kvdist's GPU tier (see the module docstring).
-    ``pieces(layer)`` is a ``[2, num_blocks, piece_bytes]`` uint8 view of a layer;
-    ``piece_pointers`` the device addresses of blocks' pieces (batched copies)."""
+    ``pieces(layer)`` is a ``[per_layer, num_blocks, piece_bytes]`` uint8 view of a
+    layer; ``piece_pointers`` the addresses of blocks' pieces (batched copies)."""
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None,
                  *, kv_dim: int = 0):
@@ -51,41 +57,99 @@ class ExternalGpuTier:
             raise ConfigError("model.num_layers", layout.num_layers,
                               f"the engine registered {len(tensors)} KV tensors")
         self.layout = layout
-        self.kv_dim = kv_dim
-        dtype = torch_dtype(layout.dtype)
         first = tensors[0]
         self.device: torch.device = first.device
-        self.num_blocks = int(first.shape[1 - kv_dim]) if first.dim() == 5 else 0
-        want = [layout.tokens_per_block, layout.num_kv_heads, layout.head_dim]
-        piece = layout.piece_bytes
-        item = layout.itemsize
-        views, ptrs, kv_strides, block_strides = [], [], [], []
+        joint = first.dim() == 4
+        ndim = first.dim()
+        self.num_blocks = int(first.shape[0] if joint else first.shape[1 - kv_dim]) if ndim in (4, 5) else 0
+        t_, h_, d_ = layout.tokens_per_block, layout.num_kv_heads, layout.head_dim
+        if joint:
+            expect = (self.num_blocks, h_, t_, 2 * d_)
+        else:
+            expect = (2, self.num_blocks, t_, h_, d_) if kv_dim == 0 else (self.num_blocks, 2, t_, h_, d_)
+        item, dtype = layout.itemsize, torch_dtype(layout.dtype)
+        per_layer = 1 if joint else 2
+        views, ptrs, piece_strides, block_strides = [], [], [], []
         for name, t in zip(names, tensors):
-            shape = list(t.shape)
-            expect = [2, self.num_blocks] if kv_dim == 0 else [self.num_blocks, 2]
-            if t.dim() != 5 or shape[:2] != expect or shape[2:] != want:
-                raise ConfigError(f"kv_caches[{name}]", tuple(shape),
-                                  f"expected {tuple(expect + want)} (model and cache.tokens_per_block)")
+            key = f"kv_caches[{name}]"
+            if tuple(t.shape) != expect:
+                raise ConfigError(key, tuple(t.shape),
+                                  f"expected {expect} (model and cache.tokens_per_block)")
             if t.dtype != dtype:
-                raise ConfigError(f"kv_caches[{name}]", str(t.dtype).removeprefix("torch."),
-                                  f"model.dtype is {layout.dtype}")
+                raise ConfigError(key, str(t.dtype).removeprefix("torch."), f"model.dtype is {layout.dtype}")
             if t.device != self.device:
-                raise ConfigError(f"kv_caches[{name}]", str(t.device),
-                                  f"the other layers are on {self.device}")
-            if not _dense(shape[2:], t.stride()[2:]):
-                raise ConfigError(f"kv_caches[{name}]", tuple(t.stride()),
-                                  "a block's [block_size, heads, head_size] is not dense in these strides")
-            kv_stride, block_stride = t.stride(kv_dim) * item, t.stride(1 - kv_dim) * item
-            base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            views.append(base.as_strided((2, self.num_blocks, piece), (kv_stride, block_stride, 1),
-                                         t.storage_offset() * item))
+                raise ConfigError(key, str(t.device), f"the other layers are on {self.device}")
+            inner = (1, 2, 3) if joint else (2, 3, 4)
+            if not _dense([t.shape[i] for i in inner], [t.stride(i) for i in inner]):
+                raise ConfigError(key, tuple(t.stride()),
+                                  "one block of the layer is not dense in these strides")
+            block_stride = t.stride(0 if joint else 1 - kv_dim) * item
+            piece_stride = 0 if joint else t.stride(kv_dim) * item
+            if not joint and piece_stride == layout.bytes_per_layer // 2:
+                per_layer, piece_stride = 1, 0  # K then V, adjacent: one piece
+            views.append((t, block_stride, piece_stride))
             ptrs.append(t.data_ptr())
-            kv_strides.append(kv_stride)
+            piece_strides.append(piece_stride)
             block_strides.append(block_stride)
-        self._views = views
+        if len({s == 0 for s in piece_strides}) > 1:
+            raise ConfigError("kv_caches", "mixed", "some layers keep K and V apart and others not")
+        self.pieces_of: EnginePieces = layout.engine_pieces(per_layer)
+        piece = self.pieces_of.piece_bytes
+        self._views = [self._bytes(t, (per_layer, self.num_blocks, piece), (ps or piece, bs, 1))
+                       for t, bs, ps in views]
         self._ptrs = np.array(ptrs, dtype=np.int64)
-        self._kv_stride = np.array(kv_strides, dtype=np.int64)
+        self._piece_stride = np.array(piece_strides, dtype=np.int64)
         self._block_stride = np.array(block_strides, dtype=np.int64)
+        self._stacked = self._stack(tensors)
+
+    def _stack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """All layers as one ``[layer, per_layer, num_blocks, piece]`` view when they lie
+        in one allocation at a constant distance with equal strides (vLLM's views of one
+        buffer): a block's every layer then moves in one kernel."""
+        n = len(tensors)
+        storage = tensors[0].untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() != storage for t in tensors) or \
+                len(set(self._block_stride.tolist())) != 1 or len(set(self._piece_stride.tolist())) != 1:
+            return None
+        step = int(self._ptrs[1] - self._ptrs[0]) if n > 1 else 0
+        if n > 1 and (step <= 0 or (np.diff(self._ptrs) != step).any()):
+            return None
+        p = self.pieces_of
+        return self._bytes(tensors[0], (n, p.per_layer, self.num_blocks, p.piece_bytes),
+                           (step, int(self._piece_stride[0]) or p.piece_bytes, int(self._block_stride[0]), 1))
+
+    def rows_view(self, rows: torch.Tensor) -> torch.Tensor:
+        """kvdist block rows ``[n, bytes_per_block]`` seen as ``[n, layer, piece, bytes]``."""
+        p = self.pieces_of
+        return rows.view(rows.shape[0], p.num_layers, p.per_layer, p.piece_bytes)
+
+    def gather(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range, at: torch.Tensor) -> None:
+        """``rows[at[i]]``'s ``layers`` (kvdist block bytes) <- the pieces of engine block
+        ``blocks[i]`` (index tensors on the rows' device; one kernel a layer, or one in
+        all when the layers are stacked)."""
+        out = self.rows_view(rows)
+        if self._stacked is not None:
+            a, b = layers.start, layers.stop
+            out[at, a:b] = self._stacked[a:b][:, :, blocks].permute(2, 0, 1, 3)
+            return
+        for layer in layers:
+            out[at, layer] = self._views[layer][:, blocks].transpose(0, 1)
+
+    def scatter(self, rows: torch.Tensor, blocks: torch.Tensor, layers: range) -> None:
+        """The pieces of ``layers`` of engine block ``blocks[i]`` <- ``rows[i]``."""
+        src = self.rows_view(rows)
+        if self._stacked is not None:
+            a, b = layers.start, layers.stop
+            self._stacked[a:b][:, :, blocks] = src[:, a:b].permute(1, 2, 0, 3)
+            return
+        for layer in layers:
+            self._views[layer][:, blocks] = src[:, layer].transpose(0, 1)
+
+    @staticmethod
+    def _bytes(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        """A uint8 view of ``t``'s memory with byte ``size`` and ``stride``."""
+        base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        return base.as_strided(size, stride, t.storage_offset() * t.element_size())
 
     @property
     def nbytes(self) -> int:
@@ -93,19 +157,25 @@ class ExternalGpuTier:
         return self.num_blocks * self.layout.bytes_per_block
 
     def pieces(self, layer: int) -> torch.Tensor:
-        """``[2, num_blocks, piece_bytes]`` uint8 view of ``layer``: K at 0, V at 1."""
+        """``[per_layer, num_blocks, piece_bytes]`` uint8 view of ``layer``."""
         return self._views[layer]
 
     def piece_pointers(self, blocks: np.ndarray, layers: range) -> np.ndarray:
-        """Device addresses ``[len(blocks), len(layers), 2]`` (uint64) of the K and V
-        pieces of ``layers`` of each engine block, in kvdist's block order."""
+        """Addresses ``[len(blocks), len(layers), per_layer]`` (uint64) of the pieces of
+        ``layers`` of each engine block, in kvdist's block order."""
         b = np.asarray(blocks, dtype=np.int64)[:, None, None]
         sl = slice(layers.start, layers.stop)
-        kv = np.arange(2, dtype=np.int64)[None, None, :]
-        out = (self._ptrs[sl][None, :, None] + kv * self._kv_stride[sl][None, :, None]
+        p = np.arange(self.pieces_of.per_layer, dtype=np.int64)[None, None, :]
+        out = (self._ptrs[sl][None, :, None] + p * self._piece_stride[sl][None, :, None]
                + b * self._block_stride[sl][None, :, None])
         return out.astype(np.uint64)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether every layer moves in one kernel (``gather``, ``scatter``)."""
+        return self._stacked is not None
 
     def close(self) -> None:
         """Forget the engine's tensors (the engine frees them)."""
         self._views = []
+        self._stacked = None

@@ -220,6 +220,32 @@ class BatchCopier:
         self._count("runs", len(length))
         return "runs"
 
+    def copy_pointers(self, stream: torch.cuda.Stream, dsts: np.ndarray, srcs: np.ndarray,
+                      sizes: np.ndarray) -> str:
+        """Queue ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for all i on
+        ``stream`` (pieces of blocks in an engine's tensors: ``kvdist.external``), in one
+        ``cudaMemcpyBatchAsync`` where it exists, else one ``cudaMemcpyAsync`` each."""
+        n = len(sizes)
+        if n == 0:
+            return self.path
+        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        self.entries += n
+        if self.path == "memcpy-batch" and self._batch is not None:
+            err = self._batch(dsts, srcs, sizes, n, stream.cuda_stream)
+            if err == 0:
+                self._count("memcpy-batch", 1)
+                return "memcpy-batch"
+            log.warning("cudaMemcpyBatchAsync failed with CUDA error %d; using runs from now on", err)
+            self._batch = None
+            self.path = "runs"
+        assert self._memcpy is not None, "no CUDA runtime library to copy by address"
+        h = stream.cuda_stream
+        for d, s, k in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            err = self._memcpy(d, s, k, _MEMCPY_DEFAULT, h)
+            assert err == 0, f"cudaMemcpyAsync failed with CUDA error {err}"
+        self._count("runs", n)
+        return "runs"
+
     def _runs(self, stream, src_rows, dst_rows, s0, d0, length) -> None:
         if self._memcpy is not None:
             size, ps, pd = src_rows.shape[1], src_rows.stride(0), dst_rows.stride(0)

@@ -60,6 +60,8 @@ class CudaExecutor:
                  device: torch.device, *, path: str | None = None, disk_threads: int = 2,
                  log: BatchLog | None = None, groups: LayerGroups | None = None):
         self.gpu, self.host, self.disk, self.device = gpu, host, disk, device
+        self.block_bytes = gpu.layout.bytes_per_block
+        self.gpu_rows = self._gpu_rows()  # the GPU side of every copy (see _rows_copy)
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.layered = self.groups is not None
         self.copier = BatchCopier(device, prefer=path)
@@ -85,9 +87,9 @@ class CudaExecutor:
         # torch op on the host thread (each one hands the GIL to whichever worker wants it).
         self._host_rows = host.raw.numpy() if host is not None else None
         self._inflight: list[DiskOp] = []  # disk batches not known complete (some hold a bounce)
-        self._bounces = BouncePool(gpu.raw.shape[1])
+        self._bounces = BouncePool(self.block_bytes)
         if disk is not None:  # the engine cuts reloads and spills to bounce_blocks: two such buffers
-            self._bounces.reserve(min(bounce_blocks(gpu.raw.shape[1]), disk.num_blocks), 2)
+            self._bounces.reserve(min(bounce_blocks(self.block_bytes), disk.num_blocks), 2)
         self._unsettled: deque[DiskOp] = deque()  # spill/reload GPU halves compute has not waited for
         self.counters = ExecutorCounters()
         self.submit_seconds: Counter[str] = Counter()  # host time in ``submit``, by route
@@ -137,7 +139,7 @@ class CudaExecutor:
         t0 = time.perf_counter()
         st = self.streams[ONBOARD.stream]
         n = len(op.gpu_slots)
-        op.gpu_event = self._copy(st, op.buffer[:n], self.gpu.raw, np.arange(n), op.gpu_slots, op.gpu_deps,
+        op.gpu_event = self._copy(st, op.buffer[:n], self.gpu_rows, np.arange(n), op.gpu_slots, op.gpu_deps,
                                   host_tier=False)
         op.gpu_deps = []
         self.submit_seconds["reload_gpu_half"] += time.perf_counter() - t0
@@ -213,11 +215,11 @@ class CudaExecutor:
         # By layer group too when onboards go so: an onboard into a slot this batch still
         # reads then waits for the group it overwrites, not for the whole batch (S2 per
         # group), so both directions run at once behind the forward pass.
-        return self._copy(self.streams[OFFLOAD.stream], self.gpu.raw, self.host.raw, s, d, deps,
+        return self._copy(self.streams[OFFLOAD.stream], self.gpu_rows, self.host.raw, s, d, deps,
                           host_tier=True, dst_chunk=self._host_chunk)
 
     def _onboard(self, s: np.ndarray, d: np.ndarray, deps: list) -> torch.cuda.Event | Grouped:
-        return self._copy(self.streams[ONBOARD.stream], self.host.raw, self.gpu.raw, s, d, deps,
+        return self._copy(self.streams[ONBOARD.stream], self.host.raw, self.gpu_rows, s, d, deps,
                           host_tier=True, timed=True, src_chunk=self._host_chunk)
 
     def _copy(self, st: torch.cuda.Stream, src_rows: torch.Tensor, dst_rows: torch.Tensor, s: np.ndarray,
@@ -233,7 +235,7 @@ class CudaExecutor:
         start = end = None
         if self.groups is None:
             start = self._record(st, timed)
-            self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
+            self._rows_copy(st, src_rows, dst_rows, s, d, **chunks)
             ev = end = self._record(st, timed)
         else:
             events = []
@@ -242,12 +244,26 @@ class CudaExecutor:
                     st.wait_event(e.events[g])
                 if g == 0:
                     start = self._record(st, timed)
-                self.copier.copy(st, src_rows[:, lo:hi], dst_rows[:, lo:hi], s, d)
+                self._rows_copy(st, src_rows, dst_rows, s, d, span=(lo, hi))
                 events.append(self._record(st, timed and g == len(self.groups) - 1))
             ev, end = Grouped(events), events[-1]
         if timed:
-            self._timed.append((len(s) * self.gpu.raw.shape[1], start, end))
+            self._timed.append((len(s) * self.block_bytes, start, end))
         return ev
+
+    def _gpu_rows(self):
+        """The GPU tier as copies see it: the pool's ``[block, bytes]`` rows."""
+        return self.gpu.raw
+
+    def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
+                   span: tuple[int, int] | None = None, **chunks: int) -> None:
+        """``dst_rows[d[i]] <- src_rows[s[i]]`` on ``st``: whole blocks, or bytes ``span``
+        of each (a layer group's). One side may be ``gpu_rows``."""
+        if span is None:
+            self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
+        else:
+            lo, hi = span
+            self.copier.copy(st, src_rows[:, lo:hi], dst_rows[:, lo:hi], s, d)
 
     def _demote(self, s: np.ndarray, d: np.ndarray, deps: list) -> DiskOp:
         # The CPU reads the host rows: no registration limit.
@@ -258,7 +274,7 @@ class CudaExecutor:
         buffer, rows = self._take_bounce(len(s))
         st = self.streams[OFFLOAD.stream]
         self._gpu_wait(st, deps, host_tier=False)
-        self.copier.copy(st, self.gpu.raw, buffer[:len(s)], s, np.arange(len(s)))
+        self._rows_copy(st, self.gpu_rows, buffer[:len(s)], s, np.arange(len(s)))
         ev = self._record(st)
         disk_deps = [e for e in deps if isinstance(e, DiskOp)] + [ev]
         fut = self._workers.submit(self._write_task, disk_deps, d.tolist(), rows)
@@ -310,7 +326,7 @@ class CudaExecutor:
         self._worker_wait(deps)
         t0 = time.perf_counter()
         self.disk.read_blocks(slots, rows)
-        self._timings.append((route, len(slots) * self.gpu.raw.shape[1], time.perf_counter() - t0))
+        self._timings.append((route, len(slots) * self.block_bytes, time.perf_counter() - t0))
 
     def take_timings(self) -> list[Timing]:
         timed = self._timed

@@ -1,0 +1,122 @@
+"""``ExternalCudaExecutor``'s own logic on a machine without CUDA: its two ways of moving
+a block as the pieces vLLM's tensors hold it — ``direct`` (an entry a piece; the stand-in
+copier copies each by address, so the pointer arithmetic is checked byte for byte) and
+``staged`` (whole blocks through a staging buffer, pieces scattered and gathered by
+kernels) — under random copies of every route through the transfer engine, whole and
+by layer group, small staging buffers (several chunks a batch). Every slot must end
+with the bytes a sequential replay gives. CUDA streams and events are stand-ins whose
+copies run at once (``test_cuda_executor_on_cpu``)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from kvdist.blocks import SlotSpace
+from kvdist.external import ExternalGpuTier
+from kvdist.external.cuda import ExternalCudaExecutor
+from kvdist.layout import KVLayout
+from kvdist.storage import DiskPool, HostPool
+from kvdist.transfer import TransferEngine
+from kvdist.transfer import cuda as cuda_executor
+
+from .external_kv import DTYPE, D, H, L, T, vllm_kv
+from .test_cuda_executor_on_cpu import FakeCopier, FakeEvent, FakeStream
+from .test_transfer_engine import _queue, _random_moves
+
+LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=DTYPE, tokens_per_block=T)
+BPB = LAYOUT.bytes_per_block
+
+
+class PointerCopier(FakeCopier):
+    """The stand-in copier, also by address (the direct path's pieces)."""
+
+    def copy_pointers(self, stream, dsts, srcs, sizes) -> str:
+        assert isinstance(stream, FakeStream)
+        for d, s, k in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, k)
+        self.entries += len(sizes)
+        self.api_calls[self.path] += 1
+        return self.path
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    compute = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(cuda_executor, "BatchCopier", PointerCopier)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    return compute
+
+
+def _pattern(tag: int) -> torch.Tensor:
+    return ((torch.arange(BPB) * 7 + tag * 13) % 251).to(torch.uint8)
+
+
+def _engine_rows(gpu: ExternalGpuTier) -> torch.Tensor:
+    """Every engine block as kvdist block bytes (the pieces in order)."""
+    rows = torch.empty((gpu.num_blocks, BPB), dtype=torch.uint8)
+    gpu.gather(torch.arange(gpu.num_blocks), rows, range(L), at=torch.arange(gpu.num_blocks))
+    return rows
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "separate"])
+@pytest.mark.parametrize("groups", [1, L], ids=["whole", "by-layer"])
+@pytest.mark.parametrize("gather", ["direct", "staged"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_path, seed, gather, groups,
+                                                              order):
+    rng = np.random.default_rng(seed)
+    caps = (10, 12, 6)
+    space = SlotSpace(caps)
+    gpu = ExternalGpuTier(LAYOUT, vllm_kv(caps[0], order))
+    assert gpu.stacked == (order == "LBNHC")
+    host = HostPool(LAYOUT, caps[1], pin=False)
+    disk = DiskPool(LAYOUT, caps[2], str(tmp_path), 0, io_threads=2)
+    content = list(range(space.total))  # the tag each global slot holds
+    gpu.scatter(torch.stack([_pattern(t) for t in content[:caps[0]]]), torch.arange(caps[0]), range(L))
+    host.raw[:] = torch.stack([_pattern(t) for t in content[caps[0]:caps[0] + caps[1]]])
+    disk.write_blocks(list(range(caps[2])), [_pattern(t) for t in content[caps[0] + caps[1]:]])
+    ex = ExternalCudaExecutor(gpu, host, disk, torch.device("cpu"), groups=LAYOUT.layer_groups(groups),
+                              gather=gather, stage_bytes=3 * BPB)
+    try:
+        assert ex.gather == gather and ex.stats()["gather"] == gather
+        engine = TransferEngine(space, ex)
+        for _step in range(20):
+            engine.begin_step()
+            for _call in range(int(rng.integers(1, 4))):
+                moves = _random_moves(rng, space, int(rng.integers(1, 8)))
+                for _, s, d in moves:
+                    content[d] = content[s]
+                _queue(engine, moves, bulk=rng.random() < 0.5)
+            engine.before_compute(layered=ex.layered)
+            for layer in range(L):
+                engine.before_layer(layer)
+        engine.synchronize()
+        got_disk = [torch.empty(BPB, dtype=torch.uint8) for _ in range(caps[2])]
+        disk.read_blocks(list(range(caps[2])), got_disk)
+        rows = list(_engine_rows(gpu)) + list(host.raw) + got_disk
+        wrong = [g for g in range(space.total) if not torch.equal(rows[g], _pattern(content[g]))]
+        assert wrong == [], f"slots {wrong} hold other bytes than a sequential replay gives"
+        assert ex.stats()["bounces_lent"] == 0
+    finally:
+        ex.close()
+        disk.close()
+        host.close()
+
+
+def test_auto_stages_pieces_smaller_than_the_copy_engines_full_rate(fake_cuda):
+    gpu = ExternalGpuTier(LAYOUT, vllm_kv(4))
+    piece = gpu.pieces_of.piece_bytes
+    assert piece == BPB // L
+    staged = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), min_piece=piece + 1)
+    direct = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), min_piece=piece)
+    assert (staged.gather, direct.gather) == ("staged", "direct")
