@@ -71,6 +71,10 @@ class KVDistConnector(KVConnectorBase_V1):
         """The scheduler side's kvdist planner (``stats()`` for operators)."""
         return self._s.planner
 
+    def saving(self) -> set[str]:
+        """Scheduler side: the requests whose blocks vLLM keeps for a save in flight."""
+        return self._s.saving()
+
     @property
     def kvdist(self) -> ExternalCache:
         """The worker side's kvdist rank (``stats()``, ``executor``), once registered."""
@@ -113,10 +117,12 @@ class KVDistConnector(KVConnectorBase_V1):
             self._worker.shutdown()
 
     # -- scheduler side ----------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._s.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         self._s.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

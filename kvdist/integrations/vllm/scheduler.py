@@ -6,8 +6,9 @@ worker (rule R1 by construction) and the workers replay its copies in order.
 
 State, keyed by vLLM request id: ``_hits`` the block vLLM's own hit ends at, remembered
 by ``get_num_new_matched_tokens`` until ``update_state_after_alloc``; ``_async`` the
-asynchronous loads of the step being scheduled; ``saving`` the requests whose blocks vLLM
-keeps for a save in flight (until the workers report them in ``finished_sending``).
+asynchronous loads of the step being scheduled; ``_saving`` the requests whose blocks vLLM
+keeps for a save in flight (until the workers report them in ``finished_sending``):
+``saving()``.
 
 Requests kvdist cannot name safely are left to vLLM alone (no lookup, no save): those
 with a LoRA adapter, a cache salt, multimodal inputs or prompt embeddings, since
@@ -40,7 +41,7 @@ class SchedulerSide:
         self.load_async = load_async
         self._hits: dict[str, int] = {}
         self._async: set[str] = set()
-        self.saving: set[str] = set()
+        self._saving: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvdist holds right after vLLM's block-aligned hit (never the whole
@@ -53,7 +54,8 @@ class SchedulerSide:
         self._hits[request.request_id] = num_computed_tokens
         return n, self.load_async
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         """Plan the load of the promised blocks into the engine blocks vLLM allocated for
         them: the request's blocks right after vLLM's own hit. Blocks kvdist lost since
         the lookup go to the workers as failed (vLLM recomputes them)."""
@@ -61,7 +63,8 @@ class SchedulerSide:
             return
         hit = self._hits.pop(request.request_id)
         first, n = hit // self.block_size, num_external_tokens // self.block_size
-        assert n * self.block_size == num_external_tokens, f"{num_external_tokens} tokens are not whole blocks"
+        assert n * self.block_size == num_external_tokens, \
+            f"{num_external_tokens} tokens are not whole blocks"
         engine_blocks = blocks.get_block_ids()[0][first:first + n]
         self.planner.plan_load(request.request_id, request.all_token_ids, engine_blocks, hit)
         if self.load_async:
@@ -81,7 +84,7 @@ class SchedulerSide:
         plan = self.planner.plan_save(request.request_id, tokens, block_ids[:n])
         if not plan.blocks:
             return False, None
-        self.saving.add(request.request_id)
+        self._saving.add(request.request_id)
         return True, None
 
     def build_connector_meta(self) -> KVDistConnectorMetadata:
@@ -90,4 +93,8 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.saving.difference_update(output.finished_sending or ())
+        self._saving.difference_update(output.finished_sending or ())
+
+    def saving(self) -> set[str]:
+        """The requests whose blocks vLLM keeps for a save in flight."""
+        return set(self._saving)

@@ -65,7 +65,8 @@ def kvdist_config(path: str | os.PathLike | None, geometry: Geometry) -> CacheCo
     if not isinstance(data, dict):
         raise ConfigError(_KEY, str(path), "the config must be a mapping")
     g = geometry
-    model = {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "dtype": g.dtype}
+    model = {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+             "dtype": g.dtype}
     cache = {"tokens_per_block": g.tokens_per_block, "gpu": "external"}
     for section, values in (("model", model), ("cache", cache)):
         given = data.get(section) or {}

@@ -64,8 +64,8 @@ class WorkerSide:
         self._async |= meta.async_loads
         # An asynchronous load of which nothing could be planned (every block left kvdist
         # since the lookup) has no copy to finish: it is over now, its blocks failed.
-        self._nothing_to_load |= {job.request_id for job in meta.transfers.jobs
-                                  if job.kind == LOAD and not job.blocks and job.request_id in meta.async_loads}
+        self._nothing_to_load |= {job.request_id for job in meta.transfers.jobs if job.kind == LOAD
+                                  and not job.blocks and job.request_id in meta.async_loads}
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer.get(layer_name)
