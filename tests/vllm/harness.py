@@ -98,7 +98,7 @@ def kv_value(layer: int, position: int, token: int) -> torch.Tensor:
 _hash_ready = False
 
 
-def request(req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+def request(req_id: str, tokens: list[int], max_tokens: int = 1, cache_salt: str | None = None) -> Request:
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
@@ -106,7 +106,8 @@ def request(req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     params.update_from_generation_config({}, EOS)
     return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
+                   cache_salt=cache_salt)
 
 
 @dataclass

@@ -185,6 +185,28 @@ def test_a_failed_load_makes_vllm_recompute_the_blocks(engine, monkeypatch):
         assert e.layer_blocks(layer, b_blocks[:3]).equal(expected(layer, b.all_token_ids, 0, 3))
 
 
+def test_a_failed_asynchronous_load_ends_the_wait_and_vllm_asks_again(engine, monkeypatch):
+    e = engine(load_async=True)
+    save_a(e)
+    monkeypatch.setenv("KVDIST_FAULTS", "external_load@0")
+    b = e.add(request("b", PROMPT[:3 * BLOCK] + TAIL))
+    s3 = e.step()
+    b_blocks = e.blocks("b")
+    assert s3.out.num_scheduled_tokens == {} and b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert s3.kv.finished_recving == {"b"} and s3.kv.invalid_block_ids == set(b_blocks[:3])
+    monkeypatch.delenv("KVDIST_FAULTS")
+    s4 = e.step()  # back to waiting with nothing computed: vLLM asks kvdist again, which loads now
+    b_blocks = e.blocks("b")
+    assert s4.out.num_scheduled_tokens == {} and rows(s4) == [(ONBOARD.name, [0, 1, 2], b_blocks[:3])]
+    assert s4.kv.finished_recving == {"b"} and s4.kv.invalid_block_ids == set()
+    s5 = e.step()
+    assert s5.out.num_scheduled_tokens == {"b": len(TAIL)}
+    for layer in range(len(LAYERS)):
+        assert s5.read["b", layer][:3].equal(expected(layer, b.all_token_ids, 0, 3))
+    for layer in range(len(LAYERS)):
+        assert e.layer_blocks(layer, b_blocks[:3]).equal(expected(layer, b.all_token_ids, 0, 3))
+
+
 def test_a_request_finished_before_its_save_completes_keeps_its_blocks_until_then(engine):
     e = engine(simulate_async="true")  # copies run only when something waits for them
     e.add(request("a", PROMPT))
@@ -203,6 +225,19 @@ def test_a_request_finished_before_its_save_completes_keeps_its_blocks_until_the
     assert s4.kv.finished_sending == {"a"}
     assert "a" not in e.scheduler.requests and e.connector.saving() == set()
     assert [pool.blocks[i].ref_cnt for i in a_blocks] == [0, 0, 0, 0]
+
+
+def test_requests_kvdist_cannot_key_by_tokens_alone_are_left_to_vllm(engine):
+    e = engine()
+    e.add(request("s", PROMPT, cache_salt="tenant-1"))  # the same tokens, another tenant's KV
+    e.step()
+    assert e.connector.saving() == set()
+    s2 = e.step()
+    assert rows(s2) == [] and "s" not in e.scheduler.requests
+    save_a(e)
+    e.add(request("t", PROMPT[:3 * BLOCK] + TAIL, cache_salt="tenant-1"))
+    s = e.step()
+    assert s.out.num_scheduled_tokens == {"t": 3 * BLOCK + len(TAIL)} and rows(s) == []
 
 
 def test_each_layer_is_loaded_by_the_time_its_wait_returns(engine):

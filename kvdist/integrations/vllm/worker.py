@@ -16,7 +16,10 @@ this worker's KV heads), over kvdist's ``ExternalCache``:
 
 Invariant: the asynchronous loads named in ``_async`` are exactly those in flight whose
 completion vLLM waits for in ``finished_recving``; a synchronous load is never reported
-there (vLLM accepts only requests that wait for it)."""
+there (vLLM accepts only requests that wait for it). Every asynchronous load has copies or
+failed blocks to report, so ``finished`` names it: vLLM asks ``get_num_new_matched_tokens``
+and ``update_state_after_alloc`` in one scheduling pass, in which the planner loses no
+block (only ``plan_save``, at ``request_finished``, evicts)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ import torch
 
 from ...config import CacheConfig
 from ...external import ExternalCache, create
-from ...external.plan import LOAD
 from .plan import KVDistConnectorMetadata
 
 
@@ -38,7 +40,6 @@ class WorkerSide:
         self._cache: ExternalCache | None = None
         self._layer: dict[str, int] = {}
         self._async: set[str] = set()
-        self._nothing_to_load: set[str] = set()
 
     @property
     def cache(self) -> ExternalCache:
@@ -62,10 +63,6 @@ class WorkerSide:
     def start_load_kv(self, meta: KVDistConnectorMetadata) -> None:
         self.cache.start(meta.transfers)
         self._async |= meta.async_loads
-        # An asynchronous load of which nothing could be planned (every block left kvdist
-        # since the lookup) has no copy to finish: it is over now, its blocks failed.
-        self._nothing_to_load |= {job.request_id for job in meta.transfers.jobs if job.kind == LOAD
-                                  and not job.blocks and job.request_id in meta.async_loads}
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer.get(layer_name)
@@ -74,9 +71,8 @@ class WorkerSide:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         done = self.cache.finished()
-        loaded = self._async & (done.loaded | self._nothing_to_load)
+        loaded = self._async & done.loaded
         self._async -= loaded
-        self._nothing_to_load.clear()
         return set(done.saved), loaded
 
     def load_errors(self) -> set[int]:
