@@ -9,6 +9,10 @@ is a stand-in with no weights: per layer it waits for the layer's loads
 it computes (``kv_value``: a function of the layer, the position and the token), and
 calls ``save_kv_layer``.
 
+``tp`` > 1 runs that many workers, each with its own connector and tensors holding its
+share of the KV heads (worker r: heads r*H/tp..), one after the other in each step, and
+joins their outputs with vLLM's ``KVOutputAggregator`` as vLLM's executors do.
+
 The model is a tiny Llama-shaped config (no weights): 2 layers, 2 KV heads of 16, fp16,
 16-token blocks."""
 
@@ -22,6 +26,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
@@ -42,7 +47,7 @@ BLOCK = 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 HEADS, HEAD = 2, 16
 DTYPE = torch.float16
-PAGE = HEADS * BLOCK * 2 * HEAD * 2  # bytes of one block of one layer: K and V, fp16
+PAGE = HEADS * BLOCK * 2 * HEAD * 2  # bytes of one block of one layer (all heads): K and V, fp16
 EOS = 255
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -73,17 +78,19 @@ def vllm_config(model: ModelConfig, kvdist_yaml: Path, num_blocks: int, **extra)
                       device_config=DeviceConfig("cpu"))
 
 
-def kv_cache_config(num_blocks: int, layout: KVCacheLayout) -> KVCacheConfig:
+def kv_cache_config(num_blocks: int, layout: KVCacheLayout, tp: int = 1) -> KVCacheConfig:
     """One group of full-attention layers in one backing allocation, placed as vLLM
-    places them (``KVCacheTensor``'s docstring: layer-outermost or block-outermost)."""
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
-    assert spec.page_size_bytes == PAGE
+    places them (``KVCacheTensor``'s docstring: layer-outermost or block-outermost), for
+    one of ``tp`` workers (its share of the KV heads)."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=DTYPE)
+    page = PAGE // tp
+    assert spec.page_size_bytes == page
     n = len(LAYERS)
     if layout.is_layer_compact:
-        strides = dict(layer_stride=PAGE * num_blocks, block_stride=PAGE)
+        strides = dict(layer_stride=page * num_blocks, block_stride=page)
     else:
-        strides = dict(layer_stride=PAGE, block_stride=PAGE * n)
-    tensor = KVCacheTensor(size=PAGE * num_blocks * n, layers=list(LAYERS), **strides)
+        strides = dict(layer_stride=page, block_stride=page * n)
+    tensor = KVCacheTensor(size=page * num_blocks * n, layers=list(LAYERS), **strides)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
@@ -112,29 +119,42 @@ def request(req_id: str, tokens: list[int], max_tokens: int = 1, cache_salt: str
 
 @dataclass
 class Step:
-    """What one engine step did: the scheduler's output, the worker's connector output,
-    and per layer the bytes the forward read for each request's blocks once
-    ``wait_for_layer_load`` returned."""
+    """What one engine step did: the scheduler's output, the workers' connector output
+    (``kv`` aggregated as the scheduler got it, ``per_worker`` as each worker gave it),
+    and per layer and worker the bytes the forward read for each request's blocks once
+    ``wait_for_layer_load`` returned (``before``: just before it was called)."""
 
     out: SchedulerOutput
     kv: KVConnectorOutput
-    read: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (req, layer) -> [blocks, ...]
-    before: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # the same, before the wait
+    per_worker: list[KVConnectorOutput] = field(default_factory=list)
+    read: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # (req, layer, worker)
+    before: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+
+    def heads(self, table: str, req_id: str, layer: int) -> torch.Tensor:
+        """``read`` or ``before`` of every worker, their heads side by side:
+        ``[blocks, tokens, HEADS, 2*HEAD]``."""
+        got = getattr(self, table)
+        return torch.cat([got[k] for k in sorted(k for k in got if k[:2] == (req_id, layer))], dim=2)
 
 
 class Engine:
-    def __init__(self, config: VllmConfig, num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LBNHC):
+    def __init__(self, config: VllmConfig, num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LBNHC,
+                 tp: int = 1):
         self.config = config
-        kcc = kv_cache_config(num_blocks, layout)
+        kcc = kv_cache_config(num_blocks, layout, tp)
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kcc, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(config),
                                    block_size=BLOCK)
-        self.worker = KVDistConnector(config, KVConnectorRole.WORKER, kcc)
-        self.kv = allocate_kv_cache(kcc, torch.device("cpu"), layout)
-        self.worker.register_kv_caches(self.kv)
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # what ensure_kv_transfer_initialized sets
+        self.workers = [KVDistConnector(config, KVConnectorRole.WORKER, kcc) for _ in range(tp)]
+        self.kvs = [allocate_kv_cache(kcc, torch.device("cpu"), layout) for _ in range(tp)]
+        for worker, kv in zip(self.workers, self.kvs):
+            worker.register_kv_caches(kv)
+        self.aggregator = KVOutputAggregator(tp)
         self.token = 100
-        self.calls: list[str] = []
+
+    @property
+    def worker(self) -> KVDistConnector:
+        return self.workers[0]
 
     @property
     def connector(self) -> KVDistConnector:
@@ -143,7 +163,9 @@ class Engine:
         return c
 
     def close(self) -> None:
-        kv_transfer_state.ensure_kv_transfer_shutdown()
+        for worker in self.workers:  # what ensure_kv_transfer_shutdown does in each worker
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            kv_transfer_state.ensure_kv_transfer_shutdown()
 
     def add(self, req: Request) -> Request:
         self.scheduler.add_request(req)
@@ -153,24 +175,34 @@ class Engine:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
     def layer_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """The K|V of ``block_ids`` in ``layer``, as ``[blocks, tokens, heads, 2*HEAD]``."""
-        return self.kv[LAYERS[layer]][block_ids].transpose(1, 2).clone()
+        """The K|V of ``block_ids`` in ``layer``, as ``[blocks, tokens, heads, 2*HEAD]``
+        (every worker's heads)."""
+        return torch.cat([kv[LAYERS[layer]][block_ids].transpose(1, 2) for kv in self.kvs], dim=2)
 
     def step(self) -> Step:
+        """One engine step; ``Step.kv`` is the workers' connector output as the
+        scheduler gets it (aggregated)."""
         out = self.scheduler.schedule()
-        with set_forward_context(None, self.config), \
-                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv:
-            step = Step(out, kv)
-            if out.total_num_scheduled_tokens:
-                self._forward(step)
         sampled = {}
         for req_id in out.num_scheduled_tokens:
             req = self.scheduler.requests[req_id]
             done_prefill = req.num_computed_tokens >= req.num_tokens  # the scheduler advanced it
             sampled[req_id] = [self._next_token()] if done_prefill else []
         ids = list(sampled)
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv)
+        step = Step(out, KVConnectorOutput())
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what ensure_kv_transfer_initialized sets
+            with set_forward_context(None, self.config), \
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv:
+                if out.total_num_scheduled_tokens:
+                    self._forward(step, rank)
+            step.per_worker.append(kv)
+            index = {r: i for i, r in enumerate(ids)}
+            outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index=index, kv_connector_output=kv,
+                                             sampled_token_ids=[sampled[r] for r in ids]))
+        mro = self.aggregator.aggregate(outputs, 0)
+        step.kv = mro.kv_connector_output
         self.scheduler.update_from_output(out, mro)
         return step
 
@@ -178,23 +210,27 @@ class Engine:
         self.token += 1
         return self.token % 200
 
-    def _forward(self, step: Step) -> None:
-        """Per layer: wait for its loads, read what the scheduled requests' blocks hold,
-        write the K/V of the tokens computed now, then offer the layer for saving."""
+    def _forward(self, step: Step, rank: int) -> None:
+        """Worker ``rank``'s forward: per layer, wait for its loads, read what the
+        scheduled requests' blocks hold (its heads), write the K/V of its heads for the
+        tokens computed now, then offer the layer for saving."""
+        worker, kvs = self.workers[rank], self.kvs[rank]
+        heads = HEADS // len(self.workers)
+        mine = slice(rank * heads, (rank + 1) * heads)
         for layer, name in enumerate(LAYERS):
+            view = kvs[name]  # [B, H, N, C]
             for req_id in step.out.num_scheduled_tokens:
-                step.before[req_id, layer] = self.layer_blocks(layer, self.blocks(req_id))
-            self.worker.wait_for_layer_load(name)
+                step.before[req_id, layer, rank] = view[self.blocks(req_id)].transpose(1, 2).clone()
+            worker.wait_for_layer_load(name)
             for req_id, n in step.out.num_scheduled_tokens.items():
                 req = self.scheduler.requests[req_id]
-                step.read[req_id, layer] = self.layer_blocks(layer, self.blocks(req_id))
-                first = req.num_computed_tokens - n
                 blocks = self.blocks(req_id)
-                view = self.kv[name]  # [B, H, N, C]
+                step.read[req_id, layer, rank] = view[blocks].transpose(1, 2).clone()
+                first = req.num_computed_tokens - n
                 for pos in range(first, first + n):
-                    kv = kv_value(layer, pos, req.all_token_ids[pos])
+                    kv = kv_value(layer, pos, req.all_token_ids[pos])[mine]
                     view[blocks[pos // BLOCK], :, pos % BLOCK, :] = kv
-            self.worker.save_kv_layer(name, self.kv[name], None)
+            worker.save_kv_layer(name, view, None)
 
 
 def expected(layer: int, tokens: list[int], first_block: int, n_blocks: int) -> torch.Tensor:

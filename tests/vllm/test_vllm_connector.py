@@ -43,7 +43,7 @@ def engine(model, tmp_path):
     made = []
 
     def make(tier: str = "host", layout: KVCacheLayout = KVCacheLayout.LBNHC, load_async: bool | None = None,
-             **cache) -> Engine:
+             tp: int = 1, **cache) -> Engine:
         lines = ["cache:", "  device: cpu"]
         if tier == "host":
             lines.append("  host: {bytes: 64KiB}")  # 16 blocks of 4 KiB
@@ -52,7 +52,7 @@ def engine(model, tmp_path):
         lines += [f"  {k}: {v}" for k, v in cache.items()]
         (tmp_path / "kvdist.yaml").write_text("\n".join(lines) + "\n")
         extra = {} if load_async is None else {"load_async": load_async}
-        e = Engine(vllm_config(model, tmp_path / "kvdist.yaml", NUM_BLOCKS, **extra), NUM_BLOCKS, layout)
+        e = Engine(vllm_config(model, tmp_path / "kvdist.yaml", NUM_BLOCKS, **extra), NUM_BLOCKS, layout, tp)
         e.tier = tier
         made.append(e)
         return e
@@ -125,7 +125,7 @@ def test_a_prompt_saved_by_one_request_is_loaded_into_the_next_ones_blocks(engin
     assert s3.out.kv_connector_metadata.transfers.jobs == (Job("b", "load", tuple(b_blocks[:3])),)
     assert s3.kv.invalid_block_ids == set() and not s3.kv.finished_recving
     for layer in range(len(LAYERS)):  # what attention read once the layer's load was waited for
-        assert s3.read["b", layer][:3].equal(expected(layer, b.all_token_ids, 0, 3))
+        assert s3.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
     assert e.connector.planner.stats()["hit_tokens"] == {tier: 3 * BLOCK}
 
 
@@ -146,7 +146,7 @@ def test_kvdist_supplies_the_blocks_after_vllms_own_gpu_hit(engine):
     assert new.num_computed_tokens == 3 * BLOCK and s5.out.num_scheduled_tokens == {"b": len(TAIL)}
     assert rows(s5) == [(ONBOARD.name, [1, 2], list(new.block_ids[0][1:3]))]
     for layer in range(len(LAYERS)):
-        assert s5.read["b", layer][:3].equal(expected(layer, b.all_token_ids, 0, 3))
+        assert s5.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
 
 
 def test_an_asynchronous_load_makes_the_request_wait_one_step(engine):
@@ -165,7 +165,7 @@ def test_an_asynchronous_load_makes_the_request_wait_one_step(engine):
     assert s4.out.scheduled_new_reqs[0].num_computed_tokens == 3 * BLOCK
     assert list(s4.out.scheduled_new_reqs[0].block_ids[0][:3]) == b_blocks[:3]
     for layer in range(len(LAYERS)):
-        assert s4.read["b", layer][:3].equal(expected(layer, b.all_token_ids, 0, 3))
+        assert s4.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
 
 
 def test_a_failed_load_makes_vllm_recompute_the_blocks(engine, monkeypatch):
@@ -202,7 +202,7 @@ def test_a_failed_asynchronous_load_ends_the_wait_and_vllm_asks_again(engine, mo
     s5 = e.step()
     assert s5.out.num_scheduled_tokens == {"b": len(TAIL)}
     for layer in range(len(LAYERS)):
-        assert s5.read["b", layer][:3].equal(expected(layer, b.all_token_ids, 0, 3))
+        assert s5.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
     for layer in range(len(LAYERS)):
         assert e.layer_blocks(layer, b_blocks[:3]).equal(expected(layer, b.all_token_ids, 0, 3))
 
@@ -252,8 +252,8 @@ def test_each_layer_is_loaded_by_the_time_its_wait_returns(engine):
     s = e.step()
     for layer in range(len(LAYERS)):
         want = expected(layer, b.all_token_ids, 0, 3)
-        assert not s.before["b", layer][:3].equal(want), f"layer {layer} was loaded before its wait"
-        assert s.read["b", layer][:3].equal(want)
+        assert not s.heads("before", "b", layer)[:3].equal(want), f"layer {layer} was loaded before its wait"
+        assert s.heads("read", "b", layer)[:3].equal(want)
 
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLNHC])
@@ -264,7 +264,34 @@ def test_other_vllm_layouts_load_the_same_bytes(engine, layout):
     s = e.step()
     assert s.out.num_scheduled_tokens == {"b": len(TAIL)}
     for layer in range(len(LAYERS)):
-        assert s.read["b", layer][:3].equal(expected(layer, b.all_token_ids, 0, 3))
+        assert s.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
+
+
+def test_tp_workers_load_their_own_heads_and_a_save_holds_until_every_worker_finished(engine):
+    """Two TP workers, each a kvdist rank with one of the two KV heads, joined by vLLM's
+    KVOutputAggregator: one planner's copies run on both, and vLLM frees a saved
+    request's blocks only once both workers finished its save."""
+    e = engine(tp=2, simulate_async="true")
+    e.add(request("a", PROMPT))
+    a_blocks = list(e.step().out.scheduled_new_reqs[0].block_ids[0])
+    s2 = e.step()
+    assert rows(s2) == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
+    e.workers[0].kvdist.synchronize()  # worker 0's copy of its heads runs; worker 1's does not
+    s3 = e.step()
+    assert [w.finished_sending for w in s3.per_worker] == [{"a"}, set()] and not s3.kv.finished_sending
+    pool = e.scheduler.kv_cache_manager.block_pool
+    assert [pool.blocks[i].ref_cnt for i in a_blocks] == [1, 1, 1, 1]
+    e.workers[1].kvdist.synchronize()
+    s4 = e.step()
+    assert s4.kv.finished_sending == {"a"} and [pool.blocks[i].ref_cnt for i in a_blocks] == [0, 0, 0, 0]
+    assert e.scheduler.reset_prefix_cache()
+    b = e.add(request("b", PROMPT[:3 * BLOCK] + TAIL))
+    s5 = e.step()
+    b_blocks = list(s5.out.scheduled_new_reqs[0].block_ids[0])
+    assert s5.out.num_scheduled_tokens == {"b": len(TAIL)}
+    assert rows(s5) == [(ONBOARD.name, [0, 1, 2], b_blocks[:3])]
+    for layer in range(len(LAYERS)):
+        assert s5.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
 
 
 def test_shutdown_finishes_the_copies_and_frees_kvdist(engine):
