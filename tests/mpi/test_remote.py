@@ -79,7 +79,10 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
     """A prefetch starts the blocks at once inside a step, else right after the next
     begin_step. The next agreement says they landed: that step's end_step when the
     agreement rides on the recompute policy's per-step MIN-reduce (``ride``), else the next
-    begin_step."""
+    begin_step. On CUDA the copies run on the GPU's streams and an agreement counts them
+    landed only once their events completed (a serving loop asks ``prefetch_ready`` each
+    step; on the H200 they were agreed one or two steps later): the test synchronizes
+    first, so that the next agreement must find them landed."""
     with _open(world, policy=ride) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
@@ -95,6 +98,8 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
                 r.step()  # its begin_step starts the fetch
             if DEVICE == "cpu":  # the copies ran at once
                 assert r.cache.prefetch_ready("p") == ride
+            else:  # the copies run on the GPU's streams: an agreement sees them once they are done
+                r.cache.synchronize()
             if not r.cache.prefetch_ready("p"):
                 r.step()  # its begin_step agrees the blocks landed (or its end_step, on CUDA)
             assert r.cache.prefetch_ready("p")
