@@ -22,14 +22,14 @@ def config(host_blocks: int = 8, disk_blocks: int = 0, disk_path: str | None = N
     return {"model": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": DTYPE}, "cache": c}
 
 
-def vllm_kv(num_blocks: int, order: str = "LBNHC", seed: int = 0) -> list[torch.Tensor]:
+def vllm_kv(num_blocks: int, order: str = "LBNHC", seed: int = 0, device: str = "cpu") -> list[torch.Tensor]:
     """Per-layer logical views ``[blocks, heads, tokens, 2*D]`` of one flat buffer laid
     out physically as ``order`` (LBNHC, LBHNC, BLNHC, or "separate": a buffer a layer),
     filled with random bytes."""
     C = 2 * D
     g = torch.Generator().manual_seed(seed)
     n = L * num_blocks * T * H * C
-    flat = torch.randint(0, 256, (n * 2,), dtype=torch.uint8, generator=g).view(torch.float16)
+    flat = torch.randint(0, 256, (n * 2,), dtype=torch.uint8, generator=g).view(torch.float16).to(device)
     if order == "LBNHC":
         base = flat.view(L, num_blocks, T, H, C)
         return [base[i].permute(0, 2, 1, 3) for i in range(L)]

@@ -10,7 +10,7 @@ import torch
 
 import kvdist
 from kvdist.errors import ConfigError, KVDistError
-from kvdist.external import ExternalPlanner, LoadPlan, SavePlan, TierPlan, create
+from kvdist.external import ExternalPlanner, Finished, LoadPlan, SavePlan, TierPlan, create
 
 from .external_kv import BLOCK_BYTES, L, T, block_bytes, config, snapshot, split_kv, vllm_kv
 
@@ -135,6 +135,19 @@ def test_a_block_evicted_between_lookup_and_load_is_reported_failed(pair):
     _check(kv, before, {8: 0})
 
 
+def test_a_load_whose_every_block_failed_is_still_reported_finished(pair):
+    kv = vllm_kv(8)
+    planner, worker = pair(config(host_blocks=1), kv)
+    planner.plan_save("a", PROMPT, [0])
+    worker.start(planner.take())
+    assert planner.lookup(PROMPT) == T
+    planner.plan_save("b", [3] * (T + 1), [1])  # takes the only slot
+    assert planner.plan_load("c", PROMPT, [6]) == LoadPlan("c", (), failed=(6,), tokens=0)
+    worker.start(planner.take())
+    assert worker.finished() == Finished(saved=frozenset({"a", "b"}), loaded=frozenset({"c"}))
+    assert worker.failed_blocks() == {6}
+
+
 def test_the_external_load_drill_fails_every_load_of_the_rank(pair, monkeypatch):
     kv = vllm_kv(8)
     planner, worker = pair(config(), kv)
@@ -241,3 +254,22 @@ def test_a_planner_numbering_other_tiers_than_the_workers_is_refused(pair):
     assert worker.tier_plan == TierPlan(8, 0) and worker.tiers == ("host",)
     assert BLOCK_BYTES == kvdist.load_config(config()).model.num_layers * 2 * T * 2 * 4 * 2
     assert block_bytes(kv, 0, 0).numel() == BLOCK_BYTES // L
+
+
+def test_the_workers_figures_feed_the_planners_cut(pair, tmp_path):
+    """A worker's measured load bandwidth and the engine's prefill rate, agreed by the
+    planner: a prefill far faster than any copy makes loading pointless."""
+    kv = vllm_kv(8)
+    planner, worker = pair(config(), kv)
+    planner.plan_save("a", PROMPT, [0, 1])
+    worker.start(planner.take())
+    planner.plan_load("b", PROMPT, [4, 5])
+    worker.start(planner.take())
+    worker.synchronize()
+    worker.observe_prefill(10 ** 12, 1.0)  # a trillion tokens a second
+    figures = worker.figures()
+    assert figures[0] > 0 and figures[2] == 10 ** 12  # host bytes/s measured; prefill as observed
+    assert planner.lookup(PROMPT) == 2 * T
+    planner.agree(figures)
+    assert planner.lookup(PROMPT) == 0
+    assert worker.stats()["blocks_moved"] == {"offload": 2, "onboard": 2}

@@ -68,9 +68,9 @@ def _engine_rows(gpu: ExternalGpuTier) -> torch.Tensor:
     return rows
 
 
-@pytest.mark.parametrize("order", ["LBNHC", "separate"])
 @pytest.mark.parametrize("groups", [1, L], ids=["whole", "by-layer"])
-@pytest.mark.parametrize("gather", ["direct", "staged"])
+@pytest.mark.parametrize("gather,order", [(g, o) for g in ("direct", "staged")
+                                          for o in ("LBNHC", "separate", "BLNHC")] + [("rows", "BLNHC")])
 @pytest.mark.parametrize("seed", range(4))
 def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_path, seed, gather, groups,
                                                               order):
@@ -78,7 +78,7 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_pat
     caps = (10, 12, 6)
     space = SlotSpace(caps)
     gpu = ExternalGpuTier(LAYOUT, vllm_kv(caps[0], order))
-    assert gpu.stacked == (order == "LBNHC")
+    assert gpu.stacked == (order != "separate") and (gpu.rows is not None) == (order == "BLNHC")
     host = HostPool(LAYOUT, caps[1], pin=False)
     disk = DiskPool(LAYOUT, caps[2], str(tmp_path), 0, io_threads=2)
     content = list(range(space.total))  # the tag each global slot holds
@@ -120,3 +120,5 @@ def test_auto_stages_pieces_smaller_than_the_copy_engines_full_rate(fake_cuda):
     staged = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), min_piece=piece + 1)
     direct = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), min_piece=piece)
     assert (staged.gather, direct.gather) == ("staged", "direct")
+    rows = ExternalCudaExecutor(ExternalGpuTier(LAYOUT, vllm_kv(4, "BLNHC")), None, None, torch.device("cpu"))
+    assert rows.gather == "rows"

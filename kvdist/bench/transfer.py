@@ -29,7 +29,7 @@ import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
-SIZES = {"128KiB": 128 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
+SIZES = {"128KiB": 128 << 10, "256KiB": 256 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
 MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}  # 32 KiB a token
 
 

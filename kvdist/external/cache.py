@@ -36,7 +36,7 @@ from ..distributed.consensus import Committed, InitStatus
 from ..errors import CacheClosedError, KVDistError
 from ..layout import KVLayout
 from ..manager import DEMOTE_BATCH_BYTES
-from ..recompute_policy import UNKNOWN
+from ..recompute_policy import RecomputePolicy
 from ..seams import Seams
 from ..storage import DiskPool, HostPool
 from ..transfer import DEMOTE, RELOAD, SPILL, Executor, SimExecutor, SyncExecutor, TransferEngine
@@ -92,15 +92,19 @@ class ExternalCache:
         self._executor: Executor | None = None
         self._inflight: dict[tuple[str, Hashable], list] = {}  # (kind, request) -> events
         self._failed: set[int] = set()
+        self._policy = RecomputePolicy(self.layout.bytes_per_block, self.layout.tokens_per_block)
+        self._moved: dict[str, int] = {}  # blocks copied, by route
         self._closed = False
 
     # -- the engine's tensors ------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *,
-                 kv_dim: int = 0) -> None:
+                 kv_dim: int = 0, gather: str = "auto") -> None:
         """The engine's paged KV tensors, one per layer in layer order (a mapping keeps
-        its order: vLLM's ``{layer_name: tensor}``), shaped ``[2, num_blocks, block_size,
-        num_kv_heads, head_size]`` (``kv_dim=1``: ``[num_blocks, 2, ...]``). Raises
-        ConfigError naming the layer whose tensor does not match the config."""
+        its order: vLLM's ``{layer_name: tensor}``): vLLM 0.33's ``[num_blocks, heads,
+        block_size, 2 * head_size]`` views, or ``[2, num_blocks, block_size, heads,
+        head_size]`` (``kv_dim=1``: ``[num_blocks, 2, ...]``); see ``kvdist.external.tier``.
+        ``gather``: how CUDA copies move a block's pieces (``kvdist.external.cuda``).
+        Raises ConfigError naming the layer whose tensor does not match the config."""
         self._live()
         assert self._gpu is None, "the engine's KV tensors are registered once"
         names = list(kv_caches) if isinstance(kv_caches, Mapping) else None
@@ -113,8 +117,9 @@ class ExternalCache:
         if gpu.device.type == "cuda":
             from .cuda import ExternalCudaExecutor
 
-            executor: Executor = ExternalCudaExecutor(gpu, host, disk, gpu.device, path=seams.copy_path,
-                                                      log=seams.batch_log, groups=groups)
+            executor: Executor = ExternalCudaExecutor(
+                gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
+                gather=gather, min_piece=self.config.cache.min_copy_piece)
         elif simulate_async(self.config):
             executor = SimExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log, groups=groups)
         else:
@@ -155,11 +160,15 @@ class ExternalCache:
         assert (touched < gpu.num_blocks).all(), "an engine block id beyond the registered tensors"
         engine.compute_uses(touched)  # S4: copies of these blocks follow the compute stream so far
         engine.begin_step()
-        job = transfers.job
-        for i, route in enumerate(routes):
-            if job[i] in dropped:
-                continue
-            engine.copy(route, int(src[i]), int(dst[i]))
+        job, moved = transfers.job, self._moved
+        keep = ~np.isin(job, list(dropped)) if dropped else np.ones(len(job), dtype=bool)
+        rid = np.where(keep, transfers.route.astype(np.int64), -1)
+        cuts = np.flatnonzero(rid[1:] != rid[:-1]) + 1 if len(rid) else rid
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.append(cuts, len(rid)).tolist()):
+            if hi > lo and rid[lo] >= 0:  # a run of one route, in order: copied as one call
+                route = routes[lo]
+                engine.copy_many(route, src[lo:hi], dst[lo:hi])
+                moved[route.name] = moved.get(route.name, 0) + hi - lo
         engine.flush()
         loads = []
         for j, jb in enumerate(transfers.jobs):
@@ -167,8 +176,9 @@ class ExternalCache:
                 continue
             mine = job == j
             events = engine.pending_events(np.concatenate((src[mine], dst[mine])))
-            if events or jb.blocks:
-                self._inflight.setdefault((jb.kind, jb.request_id), []).extend(events)
+            # Every job is reported by finished(), one with nothing to copy at once (a load
+            # whose blocks all failed: the engine must not wait for it forever).
+            self._inflight.setdefault((jb.kind, jb.request_id), []).extend(events)
             if jb.kind == LOAD:
                 self._failed.update(jb.failed)
                 loads.extend(events)
@@ -213,14 +223,19 @@ class ExternalCache:
         out, self._failed = self._failed, set()
         return out
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds``: the recompute side
+        of the planner's onboard-or-recompute decision (``figures``)."""
+        self._policy.observe_prefill(tokens, seconds)
+
     def figures(self) -> list[int]:
-        """Onboard bandwidths measured here, for the planner's recompute policy
-        (``ExternalPlanner.agree``, after a MIN over the TP ranks)."""
-        bw = {1: 0.0, 2: 0.0}
+        """This rank's running means of the load bandwidth from each tier (the copies
+        the executor timed) and of the prefill rate (``observe_prefill``), for the
+        planner's recompute policy: ``ExternalPlanner.agree`` takes their MIN over the
+        TP ranks (``RecomputePolicy.FIGURES`` order)."""
         for route, nbytes, seconds in self.executor.take_timings():
-            if seconds > 0:
-                bw[route.src] = max(bw[route.src], nbytes / seconds)
-        return [int(bw[1]) or UNKNOWN, int(bw[2]) or UNKNOWN, UNKNOWN]
+            self._policy.observe_copy(route.src, nbytes, seconds)
+        return self._policy.local_figures()
 
     def synchronize(self) -> None:
         """The host waits until every issued copy has run."""
@@ -233,7 +248,8 @@ class ExternalCache:
                 "tier_plan": {"host_blocks": self.tier_plan.host_blocks,
                               "disk_blocks": self.tier_plan.disk_blocks},
                 "engine_blocks": self._gpu.num_blocks if self._gpu is not None else 0,
-                "in_flight": len(self._inflight),
+                "in_flight": len(self._inflight), "blocks_moved": dict(self._moved),
+                "block_bytes": self.layout.bytes_per_block,
                 "transfer_batches": e.stats.batches if e is not None else 0,
                 "transfer": self._executor.stats() if self._executor is not None else {},
                 "rank": self.rank, "world_size": self.world_size}

@@ -1,8 +1,8 @@
 """The CUDA executor with the engine's tensors as the GPU tier (``cache.gpu: external``).
 Everything but the GPU side of a copy is ``CudaExecutor``'s (streams, events, layer
 groups, disk workers, bounce buffers, the ordering it is handed); a copy that touches
-the engine's blocks moves each block as its pieces (``ExternalGpuTier``), one of two
-ways:
+the engine's blocks moves each block as the engine holds it (``ExternalGpuTier``), one
+of three ways:
 
 * ``direct``: every piece is one entry of a batched copy (``cudaMemcpyBatchAsync``)
   between its host bytes and its place in the engine's tensor: ``num_layers x pieces``
@@ -14,10 +14,13 @@ ways:
   pieces into the engine's blocks or gathers them out, on the same stream. The stream's
   order keeps the staging buffer safe across chunks; its memory is ``stage_bytes`` a
   stream, allocated on first use.
+* ``rows``: where every block's layers are one contiguous run in kvdist's order (vLLM's
+  cross-layer, block-outermost layouts), whole blocks, exactly as kvdist's own GPU tier
+  moves them: a batched copy of N entries (a layer group's bytes of each block).
 
-``auto`` is ``staged`` when a piece is smaller than ``min_piece`` (the copy engines'
-full-rate size, ``cache.min_copy_piece``), else ``direct``. ``scripts/gpu/external_probe.py``
-measures both."""
+``auto`` is ``rows`` where it can be, else ``staged`` when a piece is smaller than
+``min_piece`` (the copy engines' full-rate size, ``cache.min_copy_piece``), else
+``direct``. ``scripts/gpu/external_probe.py`` measures them side by side."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from ..layout import LayerGroups
+from ..staging import CudaH2D, Stager
 from ..storage import DiskPool, HostPool
 from ..transfer.cuda import CudaExecutor
 from ..transfer.executors import BatchLog
@@ -34,7 +38,8 @@ from .tier import ExternalGpuTier
 
 __all__ = ["GATHER_MODES", "STAGE_BYTES", "ExternalCudaExecutor"]
 
-GATHER_MODES = ("auto", "staged", "direct")
+GATHER_MODES = ("auto", "rows", "staged", "direct")
+INDEX_SLOTS = 32  # staging ring slots for the staged path's block ids (one a layer group a batch)
 STAGE_BYTES = 64 << 20  # a stream's staging buffer
 
 
@@ -46,19 +51,25 @@ class ExternalCudaExecutor(CudaExecutor):
                  log: BatchLog | None = None, groups: LayerGroups | None = None, gather: str = "auto",
                  min_piece: int = 256 << 10, stage_bytes: int = STAGE_BYTES):
         assert gather in GATHER_MODES, f"gather is one of {GATHER_MODES}, not {gather!r}"
+        if gather == "auto":
+            gather = ("rows" if gpu.rows is not None else
+                      "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct")
+        assert gather != "rows" or gpu.rows is not None, "the engine's blocks are not whole rows"
+        self.gather = gather  # before CudaExecutor asks for _gpu_rows
         super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
                          groups=groups)
-        if gather == "auto":
-            gather = "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct"
-        self.gather = gather
         self._stage_blocks = max(1, stage_bytes // self.block_bytes)
         self._stages: dict[int, torch.Tensor] = {}  # by stream
+        # The engine block ids a staged batch's kernels index by, host -> device (S3).
+        self._stager = Stager(CudaH2D(device), slots=INDEX_SLOTS) if device.type == "cuda" else None
         pieces = gpu.pieces_of
         self._offsets = np.array([[pieces.offset(layer, p) for p in range(pieces.per_layer)]
                                   for layer in range(pieces.num_layers)], dtype=np.int64)
 
     def _gpu_rows(self):
-        return self.gpu  # the tier itself: _rows_copy moves its blocks piece by piece
+        """The engine's blocks as whole rows (``rows``), else the tier itself: then
+        ``_rows_copy`` moves each block piece by piece."""
+        return self.gpu.rows if self.gather == "rows" else self.gpu
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked}
@@ -66,8 +77,12 @@ class ExternalCudaExecutor(CudaExecutor):
     def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
                    span: tuple[int, int] | None = None, **chunks: int) -> None:
         gpu = self.gpu
-        if src_rows is not gpu and dst_rows is not gpu:
-            return super()._rows_copy(st, src_rows, dst_rows, s, d, span, **chunks)
+        if src_rows is not gpu and dst_rows is not gpu:  # host and bounce rows: as CudaExecutor does
+            lo, hi = span if span is not None else (0, self.block_bytes)
+            if span is not None:
+                src_rows, dst_rows, chunks = src_rows[:, lo:hi], dst_rows[:, lo:hi], {}
+            self.copier.copy(st, src_rows, dst_rows, s, d, **chunks)
+            return
         to_gpu = dst_rows is gpu
         rows, at, blocks = (src_rows, s, d) if to_gpu else (dst_rows, d, s)
         chunk = chunks.get("src_chunk" if to_gpu else "dst_chunk", 0)
@@ -103,12 +118,13 @@ class ExternalCudaExecutor(CudaExecutor):
         lo, hi = span if span is not None else (0, self.block_bytes)
         part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
         k = self._stage_blocks
+        ids = self._indices(st, np.asarray(blocks, dtype=np.int64))
         for i in range(0, len(at), k):
-            a, b = np.asarray(at[i:i + k], dtype=np.int64), np.asarray(blocks[i:i + k], dtype=np.int64)
+            a = np.asarray(at[i:i + k], dtype=np.int64)
             n = len(a)
             here = np.arange(n, dtype=np.int64)
+            idx = ids[i:i + n]
             with self._on(st):
-                idx = torch.from_numpy(b).to(self.device)  # pageable: consumed before this returns (S3)
                 if to_gpu:
                     self.copier.copy(st, part(rows), part(stage), a, here, src_chunk=chunk)
                     self.gpu.scatter(stage[:n], idx, layers)
@@ -116,10 +132,19 @@ class ExternalCudaExecutor(CudaExecutor):
                     self.gpu.gather(idx, stage, layers, at=torch.arange(n, device=self.device))
                     self.copier.copy(st, part(stage), part(rows), here, a, dst_chunk=chunk)
 
+    def _indices(self, st, blocks: np.ndarray) -> torch.Tensor:
+        """``blocks`` on the device, valid on ``st``: through the staging ring (S3: the
+        host buffer is not rewritten before the copy out of it has run); on CPU as is."""
+        if self._stager is None:
+            return torch.from_numpy(blocks)
+        return self._stager.stage(blocks, st)
+
     def _on(self, st):
         """Kernels queued inside go on ``st`` (no-op off CUDA: the executor's tests on CPU)."""
         return torch.cuda.stream(st) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def close(self) -> None:
         super().close()
+        if self._stager is not None:
+            self._stager.close()
         self._stages.clear()

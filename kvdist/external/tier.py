@@ -101,6 +101,19 @@ class ExternalGpuTier:
         self._piece_stride = np.array(piece_strides, dtype=np.int64)
         self._block_stride = np.array(block_strides, dtype=np.int64)
         self._stacked = self._stack(tensors)
+        self.rows: torch.Tensor | None = self._whole_rows(tensors)
+
+    def _whole_rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """``[num_blocks, bytes_per_block]`` uint8 rows when every block's pieces of every
+        layer are one contiguous run in kvdist's order (vLLM's cross-layer, block-outermost
+        layouts, BL..): a block then moves as kvdist's own GPU tier's do, whole."""
+        p, bpb = self.pieces_of, self.layout.bytes_per_block
+        if self._stacked is None or int(self._block_stride[0]) != bpb:
+            return None
+        layer_step = int(self._ptrs[1] - self._ptrs[0]) if len(tensors) > 1 else p.per_layer * p.piece_bytes
+        if layer_step != p.per_layer * p.piece_bytes or int(self._piece_stride[0]) not in (0, p.piece_bytes):
+            return None
+        return self._bytes(tensors[0], (self.num_blocks, bpb), (bpb, 1))
 
     def _stack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """All layers as one ``[layer, per_layer, num_blocks, piece]`` view when they lie
@@ -178,4 +191,4 @@ class ExternalGpuTier:
     def close(self) -> None:
         """Forget the engine's tensors (the engine frees them)."""
         self._views = []
-        self._stacked = None
+        self._stacked = self.rows = None

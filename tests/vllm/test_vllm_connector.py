@@ -227,17 +227,25 @@ def test_a_request_finished_before_its_save_completes_keeps_its_blocks_until_the
     assert [pool.blocks[i].ref_cnt for i in a_blocks] == [0, 0, 0, 0]
 
 
-def test_requests_kvdist_cannot_key_by_tokens_alone_are_left_to_vllm(engine):
+def test_a_cache_salt_keeps_tenants_apart(engine):
+    """kvdist names blocks by vLLM's block hashes: the same tokens under another cache
+    salt (or LoRA adapter, or multimodal input) are other blocks."""
     e = engine()
-    e.add(request("s", PROMPT, cache_salt="tenant-1"))  # the same tokens, another tenant's KV
-    e.step()
-    assert e.connector.saving() == set()
-    s2 = e.step()
-    assert rows(s2) == [] and "s" not in e.scheduler.requests
-    save_a(e)
-    e.add(request("t", PROMPT[:3 * BLOCK] + TAIL, cache_salt="tenant-1"))
+    e.add(request("s", PROMPT, cache_salt="tenant-1"))
+    s_blocks = list(e.step().out.scheduled_new_reqs[0].block_ids[0])
+    assert rows(e.step()) == [(OFFLOAD.name, s_blocks[:3], [0, 1, 2])]
+    assert e.scheduler.reset_prefix_cache()
+    e.add(request("u", PROMPT[:3 * BLOCK] + TAIL))  # no salt: kvdist holds none of its blocks
     s = e.step()
-    assert s.out.num_scheduled_tokens == {"t": 3 * BLOCK + len(TAIL)} and rows(s) == []
+    assert s.out.num_scheduled_tokens == {"u": 3 * BLOCK + len(TAIL)} and rows(s) == []
+    e.step()  # u's blocks saved under its own keys
+    assert e.scheduler.reset_prefix_cache()
+    t = e.add(request("t", PROMPT[:3 * BLOCK] + TAIL, cache_salt="tenant-1"))
+    s = e.step()
+    assert s.out.num_scheduled_tokens == {"t": len(TAIL)}
+    assert rows(s) == [(ONBOARD.name, [0, 1, 2], list(s.out.scheduled_new_reqs[0].block_ids[0][:3]))]
+    for layer in range(len(LAYERS)):
+        assert s.heads("read", "t", layer)[:3].equal(expected(layer, t.all_token_ids, 0, 3))
 
 
 def test_each_layer_is_loaded_by_the_time_its_wait_returns(engine):

@@ -10,9 +10,9 @@ asynchronous loads of the step being scheduled; ``_saving`` the requests whose b
 keeps for a save in flight (until the workers report them in ``finished_sending``):
 ``saving()``.
 
-Requests kvdist cannot name safely are left to vLLM alone (no lookup, no save): those
-with a LoRA adapter, a cache salt, multimodal inputs or prompt embeddings, since
-kvdist's keys are the token ids alone."""
+Blocks are named by vLLM's own block hashes (``request.block_hashes``, chained, covering
+the LoRA adapter, the cache salt and multimodal inputs: ``ExternalPlanner.prompt_of_keys``),
+so kvdist reuses exactly what vLLM's own prefix cache would."""
 
 from __future__ import annotations
 
@@ -20,18 +20,13 @@ __all__ = ["SchedulerSide"]
 
 from typing import TYPE_CHECKING, Any
 
-from ...external import ExternalPlanner
+from ...external import ExternalPlanner, Prompt
 from .plan import KVDistConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-
-def _keyed_by_tokens(request: Request) -> bool:
-    return (request.lora_request is None and request.cache_salt is None and not request.mm_features
-            and request.prompt_embeds is None)
 
 
 class SchedulerSide:
@@ -46,9 +41,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvdist holds right after vLLM's block-aligned hit (never the whole
         prompt); ``(n, True)`` when loads are asynchronous. Changes nothing in kvdist."""
-        if not _keyed_by_tokens(request):
-            return 0, False
-        n = self.planner.lookup(request.all_token_ids, num_computed_tokens)
+        n = self.planner.lookup(self._prompt(request), num_computed_tokens)
         if n == 0:
             return 0, False
         self._hits[request.request_id] = num_computed_tokens
@@ -66,7 +59,7 @@ class SchedulerSide:
         assert n * self.block_size == num_external_tokens, \
             f"{num_external_tokens} tokens are not whole blocks"
         engine_blocks = blocks.get_block_ids()[0][first:first + n]
-        self.planner.plan_load(request.request_id, request.all_token_ids, engine_blocks, hit)
+        self.planner.plan_load(request.request_id, self._prompt(request), engine_blocks, hit)
         if self.load_async:
             self._async.add(request.request_id)
 
@@ -75,17 +68,18 @@ class SchedulerSide:
         (vLLM keeps the blocks until the workers report the save finished) exactly when
         a copy out of them was planned."""
         self._hits.pop(request.request_id, None)
-        if not _keyed_by_tokens(request):
+        n = min(request.num_computed_tokens // self.block_size, len(block_ids), len(request.block_hashes))
+        computed = self.planner.prompt_of_keys(request.block_hashes[:n], n * self.block_size)
+        if n == 0 or self.planner.saveable(computed) == 0:
             return False, None
-        n = min(request.num_computed_tokens // self.block_size, len(block_ids))
-        tokens = request.all_token_ids[:n * self.block_size]
-        if n == 0 or self.planner.saveable(tokens) == 0:
-            return False, None
-        plan = self.planner.plan_save(request.request_id, tokens, block_ids[:n])
+        plan = self.planner.plan_save(request.request_id, computed, block_ids[:n])
         if not plan.blocks:
             return False, None
         self._saving.add(request.request_id)
         return True, None
+
+    def _prompt(self, request: Request) -> Prompt:
+        return self.planner.prompt_of_keys(request.block_hashes, request.num_tokens)
 
     def build_connector_meta(self) -> KVDistConnectorMetadata:
         meta = KVDistConnectorMetadata(self.planner.take(), frozenset(self._async))
