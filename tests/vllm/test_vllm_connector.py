@@ -39,7 +39,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def engine(model, tmp_path):
-    """make(tier="host", **kvdist cache keys, load_async=...) -> an Engine; closed after."""
+    """make(tier="host", **kvdist cache keys, load_async=...) -> an Engine; closed after.
+    The recompute policy is off unless asked for (``recompute_when_faster="true"``): the
+    stand-in forward's speed would otherwise decide whether a hit is loaded."""
     made = []
 
     def make(tier: str = "host", layout: KVCacheLayout = KVCacheLayout.LBNHC, load_async: bool | None = None,
@@ -49,6 +51,10 @@ def engine(model, tmp_path):
             lines.append("  host: {bytes: 64KiB}")  # 16 blocks of 4 KiB
         else:
             lines += ["  host: {bytes: 0}", f"  disk: {{path: {tmp_path / 'disk'}, bytes: 64KiB}}"]
+        cache = {"recompute_when_faster": "false", **cache}
+        disk_keys = {k: cache.pop(k) for k in list(cache) if k.startswith("disk_")}
+        if disk_keys:
+            lines[-1] = lines[-1][:-1] + "".join(f", {k[5:]}: {v}" for k, v in disk_keys.items()) + "}"
         lines += [f"  {k}: {v}" for k, v in cache.items()]
         (tmp_path / "kvdist.yaml").write_text("\n".join(lines) + "\n")
         extra = {} if load_async is None else {"load_async": load_async}
@@ -300,6 +306,24 @@ def test_tp_workers_load_their_own_heads_and_a_save_holds_until_every_worker_fin
     assert rows(s5) == [(ONBOARD.name, [0, 1, 2], b_blocks[:3])]
     for layer in range(len(LAYERS)):
         assert s5.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
+
+
+def test_a_disk_slower_than_recomputing_is_not_read_again(engine):
+    """The workers report their figures (load bandwidth by tier, the forward's time per
+    token) in vLLM's worker metadata; the planner adopts their MIN, and its lookup stops
+    offering disk hits once reading them costs more than computing the tokens."""
+    e = engine("disk", recompute_when_faster="true", disk_max_read_bytes_per_s="32KiB")
+    save_a(e)
+    policy = lambda: e.connector.planner.stats()["recompute_policy"]  # noqa: E731
+    assert policy()["disk_bytes_per_s"] is None  # no figure yet: the hit is loaded, and timed
+    e.add(request("b", PROMPT[:3 * BLOCK] + TAIL))
+    s = e.step()
+    assert s.out.num_scheduled_tokens == {"b": len(TAIL)} and rows(s)[0][0] == RELOAD.name
+    assert policy()["disk_bytes_per_s"] <= 32 * 1024 and policy()["prefill_tokens_per_s"] is not None
+    assert e.scheduler.reset_prefix_cache()
+    c = e.add(request("c", PROMPT[:3 * BLOCK] + TAIL[::-1]))
+    s = e.step()
+    assert s.out.num_scheduled_tokens == {"c": c.num_prompt_tokens} and rows(s) == []
 
 
 def test_shutdown_finishes_the_copies_and_frees_kvdist(engine):

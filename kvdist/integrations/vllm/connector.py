@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -98,19 +99,23 @@ class KVDistConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Nothing per layer: kvdist saves whole blocks of finished requests, issued by
-        ``start_load_kv`` (worker module docstring)."""
+        """No copy per layer: kvdist saves whole blocks of finished requests, issued by
+        ``start_load_kv``; the last layer's call times the forward (worker module docstring)."""
+        self._w.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Nothing to wait for: vLLM keeps a save's blocks until ``get_finished`` names
         its request."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        saved, loaded = self._w.get_finished()
+        saved, loaded = self._w.get_finished(self._meta())
         return saved or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._w.report()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -126,7 +131,7 @@ class KVDistConnector(KVConnectorBase_V1):
         self._s.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._s.build_connector_meta()
+        return self._s.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._s.update_connector_output(connector_output)

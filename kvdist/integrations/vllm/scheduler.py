@@ -21,7 +21,7 @@ __all__ = ["SchedulerSide"]
 from typing import TYPE_CHECKING, Any
 
 from ...external import ExternalPlanner, Prompt
-from .plan import KVDistConnectorMetadata
+from .plan import KVDistConnectorMetadata, KVDistWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -81,13 +81,20 @@ class SchedulerSide:
     def _prompt(self, request: Request) -> Prompt:
         return self.planner.prompt_of_keys(request.block_hashes, request.num_tokens)
 
-    def build_connector_meta(self) -> KVDistConnectorMetadata:
-        meta = KVDistConnectorMetadata(self.planner.take(), frozenset(self._async))
+    def build_connector_meta(self, computed_tokens: int) -> KVDistConnectorMetadata:
+        """The step's plan; ``computed_tokens``: what its forward computes."""
+        meta = KVDistConnectorMetadata(self.planner.take(), frozenset(self._async), computed_tokens)
         self._async.clear()
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The workers' report of a step: saves finished, and their figures (MIN over the
+        workers), from which the planner's lookups cut where loading stops paying."""
         self._saving.difference_update(output.finished_sending or ())
+        meta = output.kv_connector_worker_meta
+        if meta is not None:
+            assert isinstance(meta, KVDistWorkerMetadata), f"unexpected worker metadata {type(meta).__name__}"
+            self.planner.agree(list(meta.figures))
 
     def saving(self) -> set[str]:
         """The requests whose blocks vLLM keeps for a save in flight."""

@@ -6,12 +6,15 @@ this worker's KV heads), over kvdist's ``ExternalCache``:
   start_load_kv        the step's copies issued in the planner's order: loads, then the
                        saves behind them (S4: after the compute queued so far);
   wait_for_layer_load  the layer's share of the loads waited for (S5 per layer);
-  save_kv_layer        nothing: kvdist saves whole blocks of finished requests, issued by
+  save_kv_layer        no copy: kvdist saves whole blocks of finished requests, issued by
                        ``start_load_kv``, which vLLM calls after submitting the forward
                        when the step has no synchronous load (off the critical path);
+                       the last layer's call ends the forward's clock (``ForwardClock``);
   wait_for_save        nothing to wait for: a save's blocks stay vLLM's held blocks until
                        ``get_finished`` names its request;
-  get_finished         saves and asynchronous loads whose copies all completed;
+  get_finished         saves and asynchronous loads whose copies all completed; the
+                       step's prefill figure for the recompute policy;
+  report               this rank's recompute-policy figures, for the planner;
   get_block_ids_with_load_errors  engine blocks whose bytes kvdist did not load.
 
 Invariant: the asynchronous loads named in ``_async`` are exactly those in flight whose
@@ -31,7 +34,8 @@ import torch
 
 from ...config import CacheConfig
 from ...external import ExternalCache, create
-from .plan import KVDistConnectorMetadata
+from .forward_clock import ForwardClock
+from .plan import KVDistConnectorMetadata, KVDistWorkerMetadata
 
 
 class WorkerSide:
@@ -40,6 +44,7 @@ class WorkerSide:
         self._cache: ExternalCache | None = None
         self._layer: dict[str, int] = {}
         self._async: set[str] = set()
+        self._clock: ForwardClock | None = None
 
     @property
     def cache(self) -> ExternalCache:
@@ -59,6 +64,7 @@ class WorkerSide:
             raise
         self._cache = cache
         self._layer = {name: i for i, name in enumerate(kv_caches)}
+        self._clock = ForwardClock(device)
 
     def start_load_kv(self, meta: KVDistConnectorMetadata) -> None:
         self.cache.start(meta.transfers)
@@ -66,10 +72,20 @@ class WorkerSide:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer.get(layer_name)
-        if layer is not None:  # a layer kvdist does not hold (not one of the registered)
-            self.cache.wait_layer(layer)
+        if layer is None:  # a layer kvdist does not hold (not one of the registered)
+            return
+        if layer == 0:
+            self._clock.start()
+        self.cache.wait_layer(layer)
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self._layer.get(layer_name) == len(self._layer) - 1:
+            self._clock.stop()
+
+    def get_finished(self, meta: KVDistConnectorMetadata) -> tuple[set[str], set[str]]:
+        """After the step's forward: what finished, and the forward's figure."""
+        for tokens, seconds in self._clock.end_step(meta.computed_tokens):
+            self.cache.observe_prefill(tokens, seconds)
         done = self.cache.finished()
         loaded = self._async & done.loaded
         self._async -= loaded
@@ -77,6 +93,9 @@ class WorkerSide:
 
     def load_errors(self) -> set[int]:
         return self.cache.failed_blocks()
+
+    def report(self) -> KVDistWorkerMetadata:
+        return KVDistWorkerMetadata(tuple(self.cache.figures()))
 
     def shutdown(self) -> None:
         """Wait for every copy (a save's blocks are vLLM's again after this) and free
