@@ -1,9 +1,10 @@
 """``ExternalCudaExecutor``'s own logic on a machine without CUDA: its two ways of moving
 a block as the pieces vLLM's tensors hold it — ``direct`` (an entry a piece; the stand-in
 copier copies each by address, so the pointer arithmetic is checked byte for byte) and
-``staged`` (whole blocks through a staging buffer, pieces scattered and gathered by
-kernels) — under random copies of every route through the transfer engine, whole and
-by layer group, small staging buffers (several chunks a batch). Every slot must end
+``staged`` (whole blocks through a staging buffer, half of it a chunk, pieces scattered
+and gathered by kernels on a side stream), and ``rows`` (whole blocks where the layers of
+a block are adjacent) — under random copies of every route through the transfer engine,
+whole and by layer group, small staging buffers (several chunks a batch). Every slot must end
 with the bytes a sequential replay gives. CUDA streams and events are stand-ins whose
 copies run at once (``test_cuda_executor_on_cpu``)."""
 
@@ -43,11 +44,18 @@ class PointerCopier(FakeCopier):
         return self.path
 
 
+class Stream(FakeStream):
+    """A stand-in stream that can also wait for another (the staged path's side streams)."""
+
+    def wait_stream(self, other) -> None:
+        assert isinstance(other, FakeStream), f"a stream waits for {other!r}"
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     compute = FakeStream()
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)

@@ -11,9 +11,9 @@ of three ways:
 * ``staged``: whole kvdist blocks (their layer group's bytes) are copied between host
   and a device staging buffer at the copy engines' full rate, and one kernel a layer
   group (a layer, where the engine's layers are separate allocations) scatters the
-  pieces into the engine's blocks or gathers them out, on the same stream. The stream's
-  order keeps the staging buffer safe across chunks; its memory is ``stage_bytes`` a
-  stream, allocated on first use.
+  pieces into the engine's blocks or gathers them out, on a side stream, half the
+  buffer at a time so that copies and kernels overlap (``_staged``); its memory is
+  ``stage_bytes`` a stream, allocated on first use.
 * ``rows``: where every block's layers are one contiguous run in kvdist's order (vLLM's
   cross-layer, block-outermost layouts), whole blocks, exactly as kvdist's own GPU tier
   moves them: a batched copy of N entries (a layer group's bytes of each block).
@@ -58,8 +58,10 @@ class ExternalCudaExecutor(CudaExecutor):
         self.gather = gather  # before CudaExecutor asks for _gpu_rows
         super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
                          groups=groups)
-        self._stage_blocks = max(1, stage_bytes // self.block_bytes)
+        self._stage_blocks = max(2, stage_bytes // self.block_bytes)
         self._stages: dict[int, torch.Tensor] = {}  # by stream
+        self._sides: dict[int, torch.cuda.Stream] = {}  # by stream: its scatter and gather kernels
+        self._free: dict[int, list] = {}  # by stream: per staging half, the event of its last reader
         # The engine block ids a staged batch's kernels index by, host -> device (S3).
         self._stager = Stager(CudaH2D(device), slots=INDEX_SLOTS) if device.type == "cuda" else None
         pieces = gpu.pieces_of
@@ -112,25 +114,53 @@ class ExternalCudaExecutor(CudaExecutor):
 
     def _staged(self, st, rows: torch.Tensor, at: np.ndarray, blocks: np.ndarray, layers: range,
                 span: tuple[int, int] | None, to_gpu: bool, chunk: int) -> None:
-        """Whole blocks (``span`` of each) through the stream's staging buffer, a chunk
-        of it at a time; the pieces scattered or gathered by kernels on ``st``."""
+        """Whole blocks (``span`` of each) through the stream's staging buffer, half of it
+        a chunk: the copies on ``st``, the kernels that scatter or gather the pieces on a
+        side stream of ``st``'s, so the copy of one chunk overlaps the kernels of the
+        last. A half is refilled only after the last chunk through it was read out of it
+        (an event per half, kept across batches); ``st`` ends waiting for the kernels, so
+        the batch's event recorded on it next covers them."""
         stage = self._stage(st)
         lo, hi = span if span is not None else (0, self.block_bytes)
         part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
-        k = self._stage_blocks
+        k = self._stage_blocks // 2
         ids = self._indices(st, np.asarray(blocks, dtype=np.int64))
-        for i in range(0, len(at), k):
+        side = self._side_stream(st)
+        side.wait_stream(st)  # the batch's dependencies (st waited for them) and the ids' upload
+        if self.device.type == "cuda":
+            ids.record_stream(side)
+        free = self._free.setdefault(id(st), [None, None])  # per half: its last reader is done
+        for c, i in enumerate(range(0, len(at), k)):
+            h = c % 2
+            buf = stage[h * k:(h + 1) * k]
             a = np.asarray(at[i:i + k], dtype=np.int64)
             n = len(a)
             here = np.arange(n, dtype=np.int64)
             idx = ids[i:i + n]
-            with self._on(st):
-                if to_gpu:
-                    self.copier.copy(st, part(rows), part(stage), a, here, src_chunk=chunk)
-                    self.gpu.scatter(stage[:n], idx, layers)
-                else:
-                    self.gpu.gather(idx, stage, layers, at=torch.arange(n, device=self.device))
-                    self.copier.copy(st, part(stage), part(rows), here, a, dst_chunk=chunk)
+            if to_gpu:
+                if free[h] is not None:
+                    st.wait_event(free[h])  # the kernels of chunk c - 2 have read this half
+                self.copier.copy(st, part(rows), part(buf), a, here, src_chunk=chunk)
+                side.wait_event(self._record(st))
+                with self._on(side):
+                    self.gpu.scatter(buf[:n], idx, layers)
+                free[h] = self._record(side)
+            else:
+                if free[h] is not None:
+                    side.wait_event(free[h])  # the copy of chunk c - 2 has read this half
+                with self._on(side):
+                    self.gpu.gather(idx, buf, layers, at=torch.arange(n, device=self.device))
+                st.wait_event(self._record(side))
+                self.copier.copy(st, part(buf), part(rows), here, a, dst_chunk=chunk)
+                free[h] = self._record(st)
+        if to_gpu and len(at):
+            st.wait_event(free[(len(range(0, len(at), k)) - 1) % 2])
+
+    def _side_stream(self, st) -> torch.cuda.Stream:
+        side = self._sides.get(id(st))
+        if side is None:
+            side = self._sides[id(st)] = torch.cuda.Stream(self.device)
+        return side
 
     def _indices(self, st, blocks: np.ndarray) -> torch.Tensor:
         """``blocks`` on the device, valid on ``st``: through the staging ring (S3: the

@@ -11,11 +11,11 @@ from tensors of twice that many blocks, through exactly what a connector calls:
 ``ExternalPlanner.plan_save`` / ``plan_load`` / ``take`` on the scheduler's side,
 ``ExternalCache.start`` / ``wait_layer`` / ``synchronize`` on the worker's:
 
-* offload: a prompt's blocks saved out of the engine's blocks, from ``start`` until
-  every copy is complete;
-* onboard: the prompt loaded into other engine blocks, ``wait_layer(l)`` for every
-  layer with an event on the compute stream after each: until the last layer's event
-  (and when layer 0's was reached: the layer-wise wait);
+* offload: prompts' blocks saved out of the engine's blocks, two steps' ``start`` back to
+  back, until every copy is complete (the host may run ahead, as in ``bench transfer``);
+* onboard: a prompt loaded into other engine blocks, two steps back to back, each with
+  ``wait_layer(l)`` for every layer and an event on the compute stream after each; and
+  one step alone: ms until layer 0's event, the last layer's (the layer-wise wait);
 * both: a new prompt saved while the last one loads, one ``start``.
 
 Side by side: the contiguous pinned copy of the same bytes (the ceiling, as ``bench
@@ -55,7 +55,6 @@ def _args() -> argparse.Namespace:
                    help="auto: rows where the layout allows (--alloc blocks), else staged or direct")
     p.add_argument("--alloc", default="one,per-layer,blocks")
     p.add_argument("--groups", default="auto", help="cache.layer_groups values, e.g. auto,32")
-    p.add_argument("--stage-mib", type=int, default=64, help="staging buffer a stream (MiB)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-bench", action="store_true", help="skip bench transfer's figures")
     p.add_argument("--json", default=None)
@@ -135,59 +134,79 @@ def _one(tp: int, alloc: str, gather: str, groups: str, args) -> dict:
             perm = rng.permutation(2 * n)
             return perm[:n].tolist(), perm[n:].tolist()
 
-        def offload() -> tuple[float, list[float]]:
-            a, _ = ids()
-            saved = planner.plan_save("s", prompt(), a)
-            assert len(saved.blocks) == n, saved
+        def run(steps: list, layered: bool) -> tuple[float, list[float]]:
+            """Issue ``steps`` (each a step's Transfers) back to back as an engine would
+            (``start``, then ``wait_layer`` for every layer with an event on the compute
+            stream after each when ``layered``), then wait for all: (seconds, [ms until
+            layer 0's and the last layer's event of the first step])."""
+            torch.cuda.synchronize()
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(compute)
             t0 = time.perf_counter()
-            worker.start(planner.take())
+            first = []
+            for step in steps:
+                worker.start(step)
+                if layered:
+                    for layer in range(L):
+                        worker.wait_layer(layer)
+                        if len(first) < L:
+                            ev = torch.cuda.Event(enable_timing=True)
+                            ev.record(compute)
+                            first.append(ev)
+            torch.cuda.current_stream().synchronize()
             worker.synchronize()
-            return time.perf_counter() - t0, []
+            wall = time.perf_counter() - t0
+            return wall, [begin.elapsed_time(m) for m in (first[0], first[-1])] if first else []
 
-        def onboard(also_save: bool) -> tuple[float, list[float]]:
+        def saves(k: int, a: list[int]) -> list:
+            out = []
+            for _ in range(k):
+                assert len(planner.plan_save("s", prompt(), a).blocks) == n
+                out.append(planner.take())
+            return out
+
+        def saved_prompt() -> tuple[list[int], list[int], list[int]]:
             a, b = ids()
             last = prompt()
             planner.plan_save("s", last, a)
             worker.start(planner.take())
             worker.synchronize()
-            torch.cuda.synchronize()
-            if also_save:
-                planner.plan_save("s2", prompt(), a)  # out of a while the last prompt lands in b
-            load = planner.plan_load("l", last, b)
-            assert len(load.blocks) == n and not load.failed, load
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(compute)
-            t0 = time.perf_counter()
-            worker.start(planner.take())
-            marks = []
-            for layer in range(L):
-                worker.wait_layer(layer)
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record(compute)
-                marks.append(ev)
-            marks[-1].synchronize()
-            if also_save:
-                worker.synchronize()
-            wall = time.perf_counter() - t0
-            return wall, [start.elapsed_time(m) for m in (marks[0], marks[-1])]
+            return last, a, b
 
-        runs: dict[str, list] = {"offload": [], "onboard": [], "both": []}
-        offload()  # warm-up: staging buffers, kernels
-        onboard(False)
+        def loads(k: int, last: list[int], b: list[int], a: list[int] | None = None) -> list:
+            out = []
+            for _ in range(k):
+                if a is not None:  # a new prompt saved out of a while the last one lands in b
+                    assert len(planner.plan_save("s", prompt(), a).blocks) == n
+                load = planner.plan_load("l", last, b)
+                assert len(load.blocks) == n and not load.failed, load
+                out.append(planner.take())
+            return out
+
+        reps = 2  # steps back to back (the host tier holds three prompts)
+        runs: dict[str, list] = {"offload": [], "onboard": [], "both": [], "latency": []}
+        run(saves(1, ids()[0]), False)  # warm-up: staging buffers, kernels
+        last, a, b = saved_prompt()
+        run(loads(1, last, b), True)
         for _ in range(args.rounds):
-            runs["offload"].append(offload())
-            runs["onboard"].append(onboard(False))
-            runs["both"].append(onboard(True))
+            runs["offload"].append(run(saves(reps, ids()[0]), False))
+            last, a, b = saved_prompt()
+            runs["latency"].append(run(loads(1, last, b), True))  # one step, idle streams
+            runs["onboard"].append(run(loads(reps, last, b), True))
+            last, a, b = saved_prompt()
+            runs["both"].append(run(loads(reps // 2 or 1, last, b, a), True))
         nbytes = n * bpb
         st = ex.stats()
         lay = worker.layout
         res = {"tp": tp, "alloc": alloc, "gather": st.get("gather"), "stacked": st.get("stacked"),
                "groups": lay.groups_for(cfg["cache"]["layer_groups"], worker.config.cache.min_copy_piece),
                "block_bytes": bpb, "blocks": n, "copy_path": st["path"]}
-        for k, v in runs.items():
-            res[k] = statistics.median((2 if k == "both" else 1) * nbytes / s / 1e9 for s, _ in v)
-        res["layer0_ms"] = statistics.median(m[0] for _, m in runs["onboard"])
-        res["last_layer_ms"] = statistics.median(m[1] for _, m in runs["onboard"])
+        moved = {"offload": reps * nbytes, "onboard": reps * nbytes, "both": 2 * (reps // 2 or 1) * nbytes}
+        for k, v in moved.items():
+            res[k] = statistics.median(v / sec / 1e9 for sec, _ in runs[k])
+        res["latency_ms"] = statistics.median(1e3 * sec for sec, _ in runs["latency"])
+        res["layer0_ms"] = statistics.median(m[0] for _, m in runs["latency"])
+        res["last_layer_ms"] = statistics.median(m[1] for _, m in runs["latency"])
         res["rounds"] = {k: [round(s, 4) for s, _ in v] for k, v in runs.items()}
         res["transfer"] = {k: v for k, v in ex.stats().items() if k in ("batches_by_path", "copy_entries")}
         return res
@@ -218,7 +237,7 @@ def main() -> int:
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
           f"{args.gib} GiB a direction, medians of {args.rounds} rounds")
     head = (f"{'TP':>2} {'block':>7} {'alloc':>9} {'gather':>6} {'grp':>3}  {'offload GB/s':>22}  "
-            f"{'onboard GB/s':>22}  {'both GB/s':>16}  {'layer 0 / all (ms)':>18}")
+            f"{'onboard GB/s':>22}  {'both GB/s':>16}  {'one load: layer 0 / last / done (ms)':>36}")
     print(head)
     for r in rows:
         b = bench.get(r["tp"])
@@ -232,14 +251,17 @@ def main() -> int:
         print(f"{r['tp']:>2} {r['block_bytes'] >> 10:>5}Ki {r['alloc']:>9} {r['gather']!s:>6} "
               f"{r['groups']:>3}  "
               f"{pct('offload', d2h, 'offload'):>22}  {pct('onboard', h2d, 'onboard'):>22}  "
-              f"{pct('both', None, 'both'):>16}  {r['layer0_ms']:7.2f} / {r['last_layer_ms']:7.2f}")
+              f"{pct('both', None, 'both'):>16}  {r['layer0_ms']:10.2f} / {r['last_layer_ms']:7.2f} / "
+              f"{r['latency_ms']:7.2f}")
     for tp, b in bench.items():
         print(f"bench transfer at TP {tp}'s block size: offload {b['offload']:.1f}, "
               f"onboard {b['onboard']:.1f}, "
               f"both {b['both']:.1f} GB/s (ceilings {b['ceiling D2H']:.1f} / {b['ceiling H2D']:.1f} / "
               f"{b['ceiling both']:.1f})")
-    print("ceil: a contiguous pinned copy of the same bytes; bt: bench transfer's batched copies of whole "
-          "blocks of this size (kvdist's own GPU tier). Goal: >= 90% of bt.")
+    print("GB/s: two steps issued back to back (one for both), start to the last copy; ceil: a contiguous "
+          "pinned copy of the same bytes; bt: bench transfer's batched copies of whole blocks of this size "
+          "(kvdist's own GPU tier). Goal: >= 90% of bt. One load: a step alone on idle streams, ms from "
+          "start until the compute stream passed layer 0's wait, the last layer's, and the host saw it done.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "bench_transfer": bench}, f,
