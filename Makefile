@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	else $(PY) -m venv $(VENV) && $(BIN)/pip install -q "torch==2.13.0"; fi
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q mpich mpi4py
-	$(BIN)/pip install -q -e ".[test,sim]"
+	$(BIN)/pip install -q -e ".[test,sim,events]"
 	@touch $(STAMP)
 
 # Open MPI (the pip wheel) in a prefix of its own, next to the venv's MPICH: the two-node

@@ -18,7 +18,8 @@ A CACHED slot is in its tier's eviction list iff its refcount is 0: ``pin`` and
 ``unpin`` keep the two together. ``generation`` grows with every change to the
 slots, so an admission plan can tell whether it is still current. When a host
 slot gets or loses its block, ``host_observer`` hears it, from ``_host_changed``
-alone."""
+alone; when a cached block enters, moves between or leaves the tiers, ``block_observer``
+hears it (the KV cache events, ``kvdist.events``; None costs one test per change)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from .prefix import MASK64, PrefixIndex
 from .recompute_policy import RecomputePolicy
 from .transfer import PROMOTE, Route, TransferEngine, route
 
-__all__ = ["BlockPool", "HostObserver", "PoolSnapshot"]
+__all__ = ["BlockObserver", "BlockPool", "HostObserver", "PoolSnapshot"]
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 
@@ -61,6 +62,25 @@ class HostObserver(Protocol):
 
     def host_emptied(self, slot: int) -> None:
         """``slot`` no longer holds its block (it is free; its bytes stay until reused)."""
+
+
+class BlockObserver(Protocol):
+    """Who must know which cached block each slot of every tier holds (global slot ids;
+    a block's hash is in meta). Blocks enter on the GPU (``registered``, told by the
+    manager) or land from another replica, move between tiers, and leave when dropped."""
+
+    def registered(self, slots: list[int], tokens, start: int, end: int) -> None:
+        """Blocks ``start .. end-1`` of a sequence (GPU ``slots``, int32 ``tokens``) were
+        registered: those now CACHED entered the cache (the others were already cached)."""
+
+    def moved(self, src: int, dst: int) -> None:
+        """The cached block of ``src`` now lives in ``dst``, of another tier."""
+
+    def dropped(self, slot: int) -> None:
+        """The cached block of ``slot`` left the cache."""
+
+    def landed(self, slot: int) -> None:
+        """``slot`` holds a cached block fetched from another replica."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +113,7 @@ class BlockPool:
         self._gpu_end, self._host_end = space.base[HOST], space.base[DISK]
         self._moves: tuple[list[int], list[int], list[Route]] = ([], [], [])  # src, dst, route
         self.host_observer: HostObserver | None = None
+        self.block_observer: BlockObserver | None = None
         self.generation = 0  # grows with every change (see the module docstring)
         self.transfer_seconds = 0.0  # handing moves to the engine
 
@@ -189,6 +210,8 @@ class BlockPool:
         self.counters.blocks_moved[along.name] += 1
         if self.host_observer is not None:
             self._host_changed(src, dst)
+        if self.block_observer is not None:
+            self.block_observer.moved(src, dst)
 
     def submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order."""
@@ -290,6 +313,8 @@ class BlockPool:
         self.counters.dropped += 1
         if self.host_observer is not None:
             self._host_changed(slot, NO_SLOT)
+        if self.block_observer is not None:
+            self.block_observer.dropped(slot)
 
     def make_free(self, tier: int, n: int) -> None:
         """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
@@ -327,6 +352,8 @@ class BlockPool:
         self.lru[self.space.tier_of(slot)].push(slot)
         if self.host_observer is not None:
             self._host_changed(NO_SLOT, slot)
+        if self.block_observer is not None:
+            self.block_observer.landed(slot)
         return True
 
     def release(self, slot: int) -> None:

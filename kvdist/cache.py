@@ -163,6 +163,8 @@ class KVCache:
         if figures is not None:
             policy.agree(agreed if agreed is not None else
                          self._replicas.tp.allreduce_min(figures, "recompute policy figures"))
+        if self._parts.events is not None:
+            self._parts.events.end_step()  # the step's block changes: one batch, sent off the step's path
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
             self.check_consistency()
 
@@ -292,6 +294,9 @@ class KVCache:
             "tp_size": self.tp_size,
             "init_seconds": self._init.timing.as_dict() if self._init else {},
             "init_failures": dict(self._init.failures) if self._init else {},
+            # KV cache events (TP rank 0 of each replica, cache.events.enabled): where they
+            # are published, batches sent, dropped (queue full) and replays served.
+            "events": self._parts.events.stats() if self._parts.events is not None else {},
         }
 
     def _hit_tokens(self) -> dict[str, int]:
@@ -407,7 +412,8 @@ def build(cfg: CacheConfig | dict | str, comm, seams: Seams | None) -> KVCache:
             with timing.clock("consensus"):
                 plan = remote_setup.plan_sharing(c, cfg, layout)
         builder = CandidateBuilder(cfg, c.rank, c.local_rank, c.local_size, seams,
-                                   host_shared_path=plan.host_path if plan else None)
+                                   host_shared_path=plan.host_path if plan else None,
+                                   events_replica=layout.replica if layout.tp_rank == 0 else None)
         done = establish(c, cfg, builder, timing)
     except BaseException as e:
         c.free()

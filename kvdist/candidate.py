@@ -90,11 +90,14 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
 
 def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: torch.device,
                     rank: int, *, with_host: bool = True, fallback: bool = False,
-                    seams: Seams | None = None, host_shared_path: str | None = None) -> RankCache:
+                    seams: Seams | None = None, host_shared_path: str | None = None,
+                    events_replica: int | None = None) -> RankCache:
     """Allocate the tiers, the copy backend, the manager and the stager. ``with_host=False``
     is the rebuild after USE_NO_HOST (the disk tier is kept). ``host_shared_path``: keep
     the host tier in that shared-memory file (the remote tier's peers on the node map
-    it). On any error everything allocated so far is freed before the error propagates."""
+    it). ``events_replica``: this rank publishes that replica's KV cache events (when
+``cache.events.enabled``). On any error everything allocated so far is freed before
+the error propagates."""
     layout = KVLayout.from_config(cfg)
     seams = seams or Seams()
     local = RankCache(cfg, layout, device)
@@ -125,6 +128,13 @@ def build_candidate(cfg: CacheConfig, capacity: tuple[int, int, int], device: to
             engine_seams=seams.engine_seams(), table_rows=seams.table_rows,
             recompute_when_faster=cfg.cache.recompute_when_faster)
         local.stager = Stager(local.backend.upload, slots=seams.staging_slots, protect=seams.protect_staging)
+        if cfg.cache.events.enabled and events_replica is not None:
+            try:
+                from .events.channel import KVEvents
+            except ImportError as e:
+                raise ConfigError("cache.events.enabled", True,
+                                  f"needs the events extra: pip install 'kvdist[events]' ({e})") from None
+            local.events = KVEvents(cfg.cache.events, events_replica, local.manager)
         seams.rank_cache = local
         return local
     except BaseException:
@@ -138,8 +148,10 @@ class CandidateBuilder:
     ``build`` allocates a candidate of the capacity all ranks agreed on."""
 
     def __init__(self, cfg: CacheConfig, rank: int, local_rank: int = 0, local_size: int = 1,
-                 seams: Seams | None = None, host_shared_path: str | None = None):
+                 seams: Seams | None = None, host_shared_path: str | None = None,
+                 events_replica: int | None = None):
         self.cfg = cfg
+        self.events_replica = events_replica  # the replica whose events this rank publishes
         self.host_shared_path = host_shared_path
         self.rank = rank
         self.local_rank = local_rank
@@ -155,4 +167,5 @@ class CandidateBuilder:
     def build(self, capacity: tuple[int, int, int], *, with_host: bool, fallback: bool) -> RankCache:
         assert self.device is not None, "plan() before build()"
         return build_candidate(self.cfg, capacity, self.device, self.rank, with_host=with_host,
-                               fallback=fallback, seams=self.seams, host_shared_path=self.host_shared_path)
+                               fallback=fallback, seams=self.seams, host_shared_path=self.host_shared_path,
+                               events_replica=self.events_replica)

@@ -18,7 +18,7 @@ launch/kvdist-launch -n 4 run (or under mpiexec); one process runs alone. A conf
 or option mistake prints one line naming it and exits with status 2."""
 
 BENCHES = ("manager", "scale", "transfer", "layerwise", "staging", "pin", "goals", "disk", "consensus",
-           "drills", "remote")
+           "drills", "remote", "events")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,10 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                           "on CUDA)")
     run.add_argument("--rate", type=float, default=None,
                      help="override workload.request_rate (requests/s of a --compare run)")
-    run.add_argument("--configs", default="all-tiers,gpu-only,no-reuse",
+    run.add_argument("--configs", default=None,
                      help="configurations compared, comma-separated, among all-tiers, all-tiers-serial, "
                           "gpu+host, gpu-only, no-reuse (default: all-tiers,gpu-only,no-reuse; "
-                          "all-tiers-serial joins all-tiers where that runs ahead)")
+                          "all-tiers-serial joins all-tiers where that runs ahead); for a job of replicas "
+                          "among isolated, sharing, prefix-aware, prefix-aware+sharing, one-cache (default: "
+                          "all of them)")
     bench = sub.add_parser("bench", help="benchmarks that print figures side by side")
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")

@@ -5,7 +5,8 @@ immutable :class:`CacheConfig`. Validation is pydantic's; every failure becomes 
 from __future__ import annotations
 
 __all__ = ["MOVED_KEYS", "CacheConfig", "CacheSection", "DiskTierConfig", "DistributedConfig",
-           "GpuTierConfig", "HostTierConfig", "ModelConfig", "RemoteConfig", "WorkloadConfig", "load_config"]
+           "EventsConfig", "GpuTierConfig", "HostTierConfig", "ModelConfig", "RemoteConfig", "WorkloadConfig",
+           "load_config"]
 
 import json
 import os
@@ -111,6 +112,32 @@ class DiskTierConfig(_Section):
         return v if v in (None, paths.AUTO) else os.path.abspath(v)
 
 
+_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|(ipc|inproc)://\S+")
+
+
+def _endpoint(v: str | None) -> str | None:
+    if v is not None and (not (m := _ENDPOINT.fullmatch(v)) or (m[2] is not None and int(m[2]) > 65535)):
+        raise ValueError("must be tcp://HOST:PORT (PORT 0..65535; 0 = any free port), ipc://PATH or inproc://NAME")
+    return v
+
+
+Endpoint = Annotated[str, BeforeValidator(_endpoint)]
+
+
+class EventsConfig(_Section):
+    """KV cache events (vLLM's ``KVEventsConfig`` keys; docs/design.md, "KV cache events"):
+    the blocks each tier stores and removes, published by TP rank 0 of every replica in
+    vLLM's wire format over ZMQ. Ports are offset by the replica index. The default binds
+    loopback only; another address (``tcp://*:5557``, ``tcp://10.0.0.5:5557``) is bound
+    only when written here."""
+
+    enabled: bool = False
+    endpoint: Endpoint = "tcp://127.0.0.1:5557"  # the PUB socket
+    replay_endpoint: Endpoint | None = None  # the ROUTER socket resending recent batches
+    topic: str = ""
+    buffer_steps: int = Field(default=10_000, gt=0)  # batches kept for replay (vLLM's key)
+
+
 class CacheSection(_Section):
     tokens_per_block: int = Field(default=16, gt=0)
     device: str = "auto"
@@ -136,6 +163,7 @@ class CacheSection(_Section):
     # 54 GB/s one way and 90 both ways; 8 KiB pieces 4 GB/s).
     layer_groups: int | Literal["auto"] = "auto"
     min_copy_piece: PositiveSize = 256 * 1024
+    events: EventsConfig = EventsConfig()
 
     @field_validator("layer_groups")
     @classmethod
@@ -246,6 +274,10 @@ class WorkloadConfig(_Section):
     run_ahead: bool | None = None
     # Open-loop arrivals in wall-clock time for `run --compare` (requests per second).
     request_rate: float = Field(default=2.0, gt=0)
+    # The prefix-aware router's weight of the prefill blocks a replica would compute
+    # against its active blocks (NVIDIA Dynamo's kv-overlap-score-weight; run --compare
+    # of replicas).
+    router_overlap_weight: float = Field(default=1.0, ge=0)
     verify_logits_every: int = Field(default=25, ge=0)  # requests with reuse; 0 = never
 
 
@@ -346,6 +378,10 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     if cfg.cache.gpu == "external":
         _check_external(cfg)
     _check_disk_dir(cfg.cache.disk)
+    ev = cfg.cache.events
+    if ev.enabled and ev.replay_endpoint == ev.endpoint and not ev.endpoint.endswith(":0"):
+        raise ConfigError("cache.events.replay_endpoint", ev.replay_endpoint,
+                          "the same as cache.events.endpoint: give the replay socket its own")
     return cfg
 
 

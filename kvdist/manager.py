@@ -350,6 +350,8 @@ class CacheManager:
             seq.num_hashed = full
             seq.parent = digest_bytes(hashes[-1])
         self.pool.register(slots[seq.num_indexed : full])
+        if self.pool.block_observer is not None:
+            self.pool.block_observer.registered(slots, seq.tokens, seq.num_indexed, full)
         seq.num_indexed = full
 
     def release(self, seq_id: Hashable) -> None:

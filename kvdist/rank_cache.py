@@ -5,6 +5,7 @@ without importing the builder that takes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from .layout import KVLayout
 from .manager import CacheManager
 from .staging import Stager
 from .storage import DiskPool, GpuPool, HostPool
+
+if TYPE_CHECKING:
+    from .events.channel import KVEvents
 
 __all__ = ["RankCache"]
 
@@ -32,9 +36,13 @@ class RankCache:
     backend: CopyBackend | None = None
     manager: CacheManager | None = None
     stager: Stager | None = None  # host->device metadata copies (rule S3)
+    events: KVEvents | None = None  # the replica's KV cache events (TP rank 0, cache.events.enabled)
 
     def teardown(self) -> None:
         """Free every tier (idempotent, safe after a partial build)."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.manager is not None:
             try:
                 self.manager.synchronize()

@@ -300,14 +300,16 @@ def test_replicas_config_is_two_replicas_with_a_large_gap_to_close():
     assert isolated > 2 * ceiling > 0
 
 
-def test_a_replicated_job_refuses_compare(capsys):
-    """``run --compare`` serves one configuration after another on the whole job; a job
-    of replicas compares its isolated and sharing runs itself (and never defaults to
-    --compare, even on CUDA)."""
+def test_a_replicated_jobs_compare_names_its_own_configurations(capsys):
+    """``run --compare`` of a job of replicas serves its own configurations (isolated,
+    sharing, prefix-aware, ...): one of the main job's is a one-line mistake, exit 2."""
     from pathlib import Path
 
     from kvdist.cli import main
 
     config = Path(__file__).resolve().parents[1] / "configs" / "replicas.yaml"
-    assert main(["run", "--config", str(config), "--compare", "--out", "none"]) == 2
-    assert "option '--compare': a job of replicas (distributed.tp_size)" in capsys.readouterr().err
+    assert main(["run", "--config", str(config), "--compare", "--configs", "isolated,gpu-only",
+                 "--out", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "option '--configs'" in err
+    assert "isolated, sharing, prefix-aware, prefix-aware+sharing, one-cache" in err

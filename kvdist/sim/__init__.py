@@ -28,7 +28,11 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--metrics-port", args.metrics_port, "a TCP port is 1..65535")
     if args.rate is not None:
         cfg = cfg.replace(workload={"request_rate": args.rate})
-    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    replicated = bool(cfg.distributed.tp_size)  # replicas compare their own configurations
+    given = args.configs
+    if given is None:
+        given = "" if replicated else "all-tiers,gpu-only,no-reuse"
+    configs = tuple(c.strip() for c in given.split(",") if c.strip())
     process.show_warnings_once()
     process.announce_to_launcher()
     process.stop_on_signals()
@@ -39,17 +43,22 @@ def main(args: argparse.Namespace) -> int:
     opts = RunOptions(requests=args.requests, out=args.out, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, progress=not args.quiet, compare=args.compare,
                       configs=configs)
-    replicated = bool(cfg.distributed.tp_size)  # replicas compare isolated and sharing runs themselves
-    if opts.compare and replicated:
-        raise ConfigError("--compare", True, "a job of replicas (distributed.tp_size) compares its replicas "
-                          "isolated and sharing instead")
+    if opts.compare and replicated:  # an option's mistake first
+        from .experiment.replica_compare import REPLICA_CONFIGS
+
+        if any(c not in REPLICA_CONFIGS for c in configs):
+            raise ConfigError("--configs", given, f"name configurations among {', '.join(REPLICA_CONFIGS)}")
     check_run_size(cfg, args.requests)  # before anything big: distributed.tp_size, the trace and model fit
     if opts.compare is None:
         import torch
 
         opts.compare = not replicated and cfg.cache.device != "cpu" and torch.cuda.is_available()
     try:
-        if opts.compare:
+        if opts.compare and replicated:
+            from .experiment.replica_compare import run_replica_compare
+
+            results = run_replica_compare(cfg, opts)
+        elif opts.compare:
             from .experiment.compare import CONFIGS, run_compare
 
             if not configs or any(c not in CONFIGS for c in configs):

@@ -75,6 +75,44 @@ def test_sharing_replicas_reuse_what_isolated_ones_recompute(tmp_path_factory):
         assert saved["runs"]["sharing"]["replicas"][1] == share["replicas"][1]
 
 
+def test_replicas_in_time_compare_every_configuration(tmp_path_factory):
+    """``run --compare`` of two replicas, small: every configuration serves the whole
+    trace in real time, routed at arrival by rank 0's router (round-robin halves it,
+    one-cache sends it all to replica 0, prefix-aware follows the replicas' KV events:
+    its choices held cached prefixes), TP ranks agree on what arrived (identical
+    figures), no mismatched block, the same results on every rank."""
+    from kvdist.sim.experiment.replica_compare import REPLICA_CONFIGS, run_replica_compare
+
+    world = two_replicas()
+    base = Path(shared_dir(tmp_path_factory, "replicas-time"))
+    cfg = replicas_cfg(world.size, requests=40, request_rate=50.0, think_steps=2, step_ms=5)
+    r = run_replica_compare(cfg, RunOptions(out=str(base / "runs"), progress=False, configs=()))
+    assert r["ok"], {n: (run["ok"], run["integrity"]) for n, run in r["runs"].items()}
+    assert list(r["runs"]) == list(REPLICA_CONFIGS)
+    assert (r["replicas"], r["tp_size"], r["requests_in_trace"]) == (2, world.size // 2, 40)
+    runs = r["runs"]
+    for name, one in runs.items():
+        assert one["latency"]["requests"] == one["requests"] == 40, name
+        assert sum(one["routed"]) == 40 and len(one["latency"]["ttft_s"]) == 40, name
+        for row in one["replicas"]:
+            assert row["tp_identical"] and row["requests"] == row["requests_routed"], (name, row)
+    assert runs["isolated"]["routed"] == runs["sharing"]["routed"] == [20, 20]
+    assert runs["one-cache"]["routed"] == [40, 0]
+    assert "overlap_blocks" not in runs["isolated"]["router"]
+    assert runs["prefix-aware"]["router"]["overlap_blocks"] > 0  # it saw the replicas' events
+    assert runs["prefix-aware+sharing"]["router"]["overlap_blocks"] > 0
+    assert "remote" not in runs["isolated"]["reused_tokens"] and runs["isolated"]["bytes_fetched_remote"] == 0
+    computed = r["prefill_tokens_computed"]
+    assert computed["one-cache"] < computed["isolated"] == r["prompt_tokens"] - sum(
+        runs["isolated"]["reused_tokens"].values())
+    assert r["gap"]["tokens"] == computed["isolated"] - computed["one-cache"]
+    assert r["integrity_mismatches"] == 0 and r["integrity"]["consistency_error"] is None
+    assert world.allgather(json.dumps(r, sort_keys=True)) == [json.dumps(r, sort_keys=True)] * world.size
+    if world.rank == 0:
+        saved = json.loads((base / "runs" / "latest" / "results.json").read_text())
+        assert all(k in saved for k in REQUIRED_KEYS) and saved["gap"] == r["gap"]
+
+
 def test_a_diverging_tp_rank_stops_its_replica_only(monkeypatch):
     """Rule off: the last rank's cache reports one block more for a reused prefix (a
     diverged TP rank). Its replica stops at that step; the other one serves all of its

@@ -14,6 +14,7 @@ prefetch has not landed — a decision the gate agrees on inside the TP group.""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,17 +62,14 @@ class Scheduler:
     once the gate says so, under the other two limits."""
 
     def __init__(self, trace: RequestSource, *, max_batch: int, max_prefill_tokens: int,
-                 gpu_blocks: int, tokens_per_block: int, gate: AdmissionGate | None = None):
+                 gpu_blocks: int, tokens_per_block: int, gate: AdmissionGate | None = None,
+                 open_ended: bool = False):
         self.tpb = tokens_per_block
         self.gate = gate
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.gpu_blocks = gpu_blocks
-        worst = max(trace.requests, key=lambda r: r.blocks_needed(tokens_per_block), default=None)
-        if worst is not None and worst.blocks_needed(tokens_per_block) > gpu_blocks:
-            raise ConfigError("cache.gpu", f"{gpu_blocks} blocks",
-                              f"request {worst.rid} needs {worst.blocks_needed(tokens_per_block)} "
-                              "blocks; enlarge the GPU tier or shorten workload.turns/user_tokens")
+        self._fits(trace.requests)
         self._pending: deque[Request] = deque(trace.requests)  # in arrival order
         self._waiting: list[Request] = []  # arrived, not admitted
         self._finished: set[int] = set()
@@ -82,9 +80,30 @@ class Scheduler:
         self.step = 0
         self.clock = 0  # the trace's time: arrivals up to ``clock`` are visible
         self.total = len(trace.requests)
+        self._open = open_ended  # more requests may be added (a router sends them as they arrive)
+
+    def _fits(self, reqs: Sequence[Request]) -> None:
+        worst = max(reqs, key=lambda r: r.blocks_needed(self.tpb), default=None)
+        if worst is not None and worst.blocks_needed(self.tpb) > self.gpu_blocks:
+            raise ConfigError("cache.gpu", f"{self.gpu_blocks} blocks",
+                              f"request {worst.rid} needs {worst.blocks_needed(self.tpb)} "
+                              "blocks; enlarge the GPU tier or shorten workload.turns/user_tokens")
+
+    def add(self, reqs: Sequence[Request]) -> None:
+        """Requests routed here during the run (an ``open_ended`` scheduler), in the
+        order they arrive; identical on every rank of the TP group."""
+        assert self._open, "requests added to a scheduler that was closed or never open"
+        self._fits(reqs)
+        self._pending.extend(reqs)
+        self._mine.update(r.rid for r in reqs)
+        self.total += len(reqs)
+
+    def close(self) -> None:
+        """No more requests will be added: the scheduler is done once these finish."""
+        self._open = False
 
     def done(self) -> bool:
-        return len(self._finished) == self.total
+        return not self._open and len(self._finished) == self.total
 
     @property
     def finished(self) -> int:

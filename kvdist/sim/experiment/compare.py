@@ -41,9 +41,10 @@ CONFIGS: dict[str, dict] = {
 
 
 def build_model(cfg: CacheConfig, tp: TensorParallel, comm=None) -> Decoder:
-    """The run's model on this rank's device (collective: placement)."""
-    _, table = placements(cfg.cache.device, comm)
-    device = torch.device(table[tp.rank].device)
+    """The run's model on this rank's device (collective over ``comm``: placement;
+    ``tp``, the model's group, may be part of it: a replica's)."""
+    me, table = placements(cfg.cache.device, comm)
+    device = torch.device(table[me].device)
     w, m = cfg.workload, cfg.model
     model = Decoder(Geometry.from_config(cfg), seed=w.seed, tp=tp, device=device,
                     kv_dtype=torch_dtype(m.dtype), compute_dtype=compute_dtype_for(w.compute_dtype, device),

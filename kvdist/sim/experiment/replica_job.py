@@ -25,7 +25,7 @@ from ..engine.parallel import TensorParallel
 from ..engine.scheduler import Running, Scheduler, StepPlan
 from .admission import PrefetchGate
 from .ceiling import StepLog
-from .clock import WallSteps
+from .clock import Latencies, WallSteps
 from .driver import Simulation
 from .options import RunOptions
 from .parts import RunParts, abandon, engine, open_cache
@@ -51,6 +51,8 @@ class ReplicaFigures:
     log: list | None  # the replica's steps (StepLog records; its TP rank 0)
     routes: list[int] | None  # every request's replica (rank 0)
     placement: list[str] | None  # every rank's device (rank 0)
+    latency: Latencies | None = None  # a timed run's (TP rank 0 of each replica)
+    router: dict | None = None  # a timed run's router figures (rank 0: route_feed.Router.stats)
 
 
 class ReplicaReporter:

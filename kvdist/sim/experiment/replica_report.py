@@ -19,7 +19,7 @@ from .workload import Trace
 LOCAL_TIERS = TIER_NAMES
 
 
-def _run_summary(parts: list[ReplicaFigures], replicas: int) -> dict:
+def run_summary(parts: list[ReplicaFigures], replicas: int) -> dict:
     """One run (isolated or sharing) from every rank's figures."""
     rows = []
     for k in range(replicas):
@@ -107,7 +107,7 @@ def assemble(cfg: CacheConfig, trace: Trace, everyone: list[dict[str, ReplicaFig
     last = by_run[names[-1]]
     replicas = 1 + max(p.figures.replica for p in last)
     routes = np.asarray(everyone[0][names[0]].routes)
-    runs = {name: _run_summary(parts, replicas) for name, parts in by_run.items()}
+    runs = {name: run_summary(parts, replicas) for name, parts in by_run.items()}
     leads = sorted((p for p in last if p.figures.tp_rank == 0), key=lambda p: p.figures.replica)
     logs = [StepLog(p.log) for p in leads]
     capacity = {t: n for t, n in last[0].figures.stats["capacity_blocks"].items() if t in LOCAL_TIERS}

@@ -1,0 +1,135 @@
+"""``python -m kvdist bench events``: what KV cache events cost the step. The trace of
+``bench manager`` (16 prompts per batch, prefilled in one step, then 48 decode steps)
+replayed through kvdist's :class:`~kvdist.manager.CacheManager` over GPU, host and disk
+tiers, with events off and on, interleaved, side by side. Events on: the recorder
+(``kvdist.events``) hears every block stored into, moved between and dropped from the
+tiers, each step's records are queued at its end, and the publisher's thread builds,
+encodes and sends the batches on a loopback PUB socket (with ``--subscriber``, a
+subscriber process reads them all). Only bookkeeping is timed: no tensors, no copies
+(the transfer engine still orders every move)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import subprocess
+import sys
+import time
+
+from tabulate import tabulate
+from tqdm import tqdm
+
+from ..config import EventsConfig
+from ..layout import KVLayout
+from ..manager import CacheManager
+from ..transfer.executors import NullExecutor
+from .manager import make_trace, replay
+
+_SUBSCRIBER = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b""); s.connect(sys.argv[1])
+n = 0
+print("ready", flush=True)
+while s.poll(5000):
+    s.recv_multipart(); n += 1
+print(n, flush=True)
+"""
+
+
+class _Driver:
+    """The manager's calls as ``replay`` makes them, the step boundary followed by
+    ``after_end`` (the events' own, as KVCache.end_step does; nothing with events off)."""
+
+    def __init__(self, m: CacheManager, after_end=None):
+        self.add_sequence, self.append_tokens, self.table_rows = m.add_sequence, m.append_tokens, m.table_rows
+        self.release, self._end, self._after = m.release, m.end_step, after_end
+
+    def end_step(self) -> None:
+        self._end()
+        if self._after is not None:
+            self._after()
+
+
+def run(trace, capacity: tuple[int, int, int], block_size: int, events: bool,
+        endpoint: str = "tcp://127.0.0.1:0") -> tuple[float, float, int, dict]:
+    """Seconds of the whole replay (wall clock, and CPU of the thread that steps), the
+    tier moves and drops it made, and the events' figures."""
+    layout = KVLayout(1, 1, 1, "float16", block_size)
+    m = CacheManager(layout, capacity, NullExecutor())
+    ev = None
+    if events:
+        from ..events.channel import KVEvents
+        ev = KVEvents(EventsConfig(enabled=True, endpoint=endpoint), 0, m)
+    driver = _Driver(m, None if ev is None else ev.end_step)
+    gc.collect()
+    cpu = time.thread_time()
+    p, d = replay(trace, driver, m.begin_step, m.before_compute)
+    cpu = time.thread_time() - cpu
+    stats = {}
+    if ev is not None:
+        ev.close()
+        stats = ev.stats()
+    moved = sum(m.counters.blocks_moved.values())
+    return float(p.sum() + d.sum()), cpu, moved + m.counters.dropped, stats
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvdist bench events", description=__doc__)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--gpu-blocks", type=int, default=4096)
+    ap.add_argument("--host-ratio", type=int, default=2, help="host tier: this many times the GPU blocks")
+    ap.add_argument("--disk-ratio", type=int, default=4, help="disk tier: this many times the GPU blocks")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each, interleaved; the fastest counts")
+    ap.add_argument("--subscriber", action="store_true",
+                    help="a subscriber process on the PUB socket reads every batch")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    g = args.gpu_blocks
+    capacity = (g, g * args.host_ratio, g * args.disk_ratio)
+    trace = make_trace(args.requests, block_size=args.block_size, seed=args.seed)
+    print(f"trace: {trace.requests} requests, {trace.prompt_tokens:,} prompt tokens, {trace.steps:,} steps, "
+          f"{args.block_size}-token blocks; tiers (blocks): gpu {capacity[0]:,}, host {capacity[1]:,}, "
+          f"disk {capacity[2]:,}")
+    endpoint, sub = "tcp://127.0.0.1:0", None
+    if args.subscriber:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        endpoint = f"tcp://127.0.0.1:{port}"
+        sub = subprocess.Popen([sys.executable, "-c", _SUBSCRIBER, endpoint], stdout=subprocess.PIPE,
+                               text=True)
+        sub.stdout.readline()
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    figures, moves, thread = {}, 0, []
+    with tqdm(total=2 * args.repeat, desc="replaying", leave=False) as bar:
+        for _ in range(args.repeat):
+            for events in (False, True):  # interleaved, so drift hits both alike
+                wall, cpu, moves, figures = run(trace, capacity, args.block_size, events, endpoint)
+                runs[events].append((wall, cpu))
+                if events:
+                    thread.append(figures["thread_seconds"])
+                    time.sleep(0.2)  # the port of the last run is free again
+                bar.update()
+    received = None
+    if sub is not None:
+        received = int(sub.communicate(timeout=60)[0].split()[-1])
+    steps = trace.steps
+    wall = {e: min(w for w, _ in runs[e]) / steps * 1e6 for e in runs}
+    cpu = {e: min(c for _, c in runs[e]) / steps * 1e6 for e in runs}
+    rows = [["events off", f"{wall[False]:.1f}", f"{cpu[False]:.1f}", "", "", ""],
+            ["events on", f"{wall[True]:.1f}", f"{cpu[True]:.1f}", f"{cpu[True] - cpu[False]:+.2f}",
+             f"{(cpu[True] / cpu[False] - 1) * 100:+.1f}%", f"{min(thread) / steps * 1e6:.1f}"]]
+    print(f"\nper-step bookkeeping, best of {args.repeat}; {figures['published']:,} batches a run, "
+          f"{moves:,} tier moves and drops")
+    print(tabulate(rows, headers=["", "wall µs/step", "step thread CPU µs/step", "added", "overhead",
+                                  "publisher thread CPU µs/step"], disable_numparse=True))
+    if received is not None:
+        print(f"the subscriber process read {received:,} batches of the {args.repeat} runs (each run binds "
+              "a new socket; what one sends before the subscriber has reconnected is lost to it)")
+    overhead = cpu[True] / cpu[False] - 1
+    print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:.1f}% "
+          f"{'PASS' if overhead < 0.01 else 'MISS'}")
+    return 0

@@ -1,0 +1,176 @@
+"""The ZMQ side of the events, as vLLM's ``ZmqEventPublisher`` (v0.33.0) speaks it:
+
+* a PUB socket sends each batch as three frames ``(topic, seq, payload)``: ``seq`` an
+  8-byte big-endian sequence number (0, 1, 2, ... with no gap), ``payload`` the msgpack
+  :class:`~kvdist.events.wire.KVEventBatch`;
+* a ROUTER socket (``replay_endpoint``) answers a request ``(seq,)`` — 8 bytes big-endian,
+  behind an empty delimiter frame (a DEALER sends ``[b"", seq]``; a REQ socket adds the
+  delimiter but takes only the first of the replies) — with every batch
+  still kept from ``seq`` on, ``(topic, seq, payload)`` each, then ``(b"", -1, b"")``;
+  a request of any other shape gets nothing;
+* the last ``buffer_steps`` batches are kept for replay (a bounded buffer).
+
+Both sockets bind (kvdist publishes; routers connect). ``submit`` only queues a step's
+records with their sequence number; a background thread builds the events, encodes,
+sends and serves replays, off the step's path. A batch the queue cannot take is
+dropped and counted, and its number stays unused: subscribers see the gap."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from itertools import count
+
+import zmq
+
+from ..errors import ConfigError
+from .batcher import events_of
+from .recorder import Record
+from .wire import KVEventBatch, encoder
+
+__all__ = ["END_SEQ", "EventPublisher", "offset_endpoint"]
+
+log = logging.getLogger("kvdist.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_STOP = None
+_MAX_QUEUE = 100_000  # batches waiting for the thread
+_HWM = 100_000  # PUB high-water mark (vLLM's)
+_POLL_S = 0.05  # the thread looks at the replay socket at least this often
+
+
+def offset_endpoint(endpoint: str, replica: int, key: str) -> str:
+    """``endpoint`` for ``replica``: a TCP port moved up by the replica index (port 0,
+    any free port, stays), an ipc/inproc name suffixed ``_dp<replica>`` (vLLM's rule)."""
+    if replica == 0:
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}_dp{replica}"
+    host, _, port = endpoint.rpartition(":")
+    if int(port) == 0:
+        return endpoint
+    if int(port) + replica > 65535:
+        raise ConfigError(key, endpoint, f"replica {replica} would publish on port {int(port) + replica}, "
+                                         "past 65535: give a lower port")
+    return f"{host}:{int(port) + replica}"
+
+
+def _bind(sock: zmq.Socket, endpoint: str, key: str) -> str:
+    """Bind ``sock``; the endpoint bound (a TCP port 0 resolved)."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise ConfigError(key, endpoint, f"cannot bind it: {e.strerror}") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class EventPublisher:
+    """PUB and replay sockets of one replica, and the thread that feeds them (module
+    docstring). ``close`` sends what is queued (at most ``linger_s``) and frees both."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
+                 data_parallel_rank: int, block_size: int, linger_s: float = 1.0):
+        self.data_parallel_rank = data_parallel_rank
+        self._block_size = block_size
+        self._topic = topic.encode()
+        self._linger_s = linger_s
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, _HWM)
+            self.endpoint = _bind(self._pub, endpoint, "cache.events.endpoint")
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a whole replay fits
+                self.replay_endpoint = _bind(self._replay, replay_endpoint, "cache.events.replay_endpoint")
+        except BaseException:
+            self._free_sockets()
+            raise
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C: put costs the step least
+        self._seq = count()
+        self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
+        self.published = 0  # batches sent (the thread's count)
+        self.dropped = 0  # batches the queue could not take
+        self.replays = 0  # replay requests answered
+        self.thread_seconds = 0.0  # CPU time the thread spent publishing (building, encoding, sending)
+        self._thread = threading.Thread(target=self._run, name="kvdist-events", daemon=True)
+        self._thread.start()
+
+    def submit(self, records: list[Record]) -> None:
+        """Queue one step's records as the next batch (never blocks)."""
+        seq = next(self._seq)
+        self.submitted = seq + 1
+        if self._queue.qsize() < _MAX_QUEUE:
+            self._queue.put((seq, time.time(), records))
+        else:
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, free the sockets (idempotent)."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(self._linger_s)
+        alive, self._thread = self._thread.is_alive(), None
+        if alive:  # its sockets stay with it (a socket is one thread's at a time)
+            log.warning("kvdist events: %d batch(es) not sent by close", self._queue.qsize())
+            return
+        self._free_sockets()
+
+    def _free_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=int(self._linger_s * 1000))
+        self._ctx.term()
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        """Publish what is queued, then answer the replay requests waiting: a replay
+        holds every batch submitted before its request came."""
+        pack = encoder()
+        replay, get = self._replay, self._queue.get
+        while True:
+            try:
+                item = get(timeout=_POLL_S)
+                while True:
+                    if item is _STOP:
+                        return
+                    self._publish(pack, *item)
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            while replay is not None and replay.poll(0):
+                self._serve_replay(replay)
+
+    def _publish(self, pack, seq: int, ts: float, records: list[Record]) -> None:
+        t0 = time.thread_time()
+        try:
+            payload = pack.encode(KVEventBatch(ts=ts, events=events_of(records, self._block_size),
+                                               data_parallel_rank=self.data_parallel_rank))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._buffer.append((seq, payload))
+            self.published += 1
+        except Exception:  # the stream shows the gap; the thread carries on
+            log.exception("kvdist events: batch %d not published", seq)
+        self.thread_seconds += time.thread_time() - t0
+
+    def _serve_replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            log.warning("kvdist events: ignored a replay request of %d frame(s) that is not "
+                        "(identity, b'', 8-byte seq)", len(frames))
+            return
+        client, start = frames[0], int.from_bytes(frames[2], "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self.replays += 1

@@ -1,0 +1,121 @@
+"""Routing decisions at arrival: which replica serves a request, decided when it
+arrives from what the router knows then (the replicas job in time, ``route_feed``).
+
+- :class:`RoundRobin`: the k-th request routed goes to replica ``k mod R``.
+- :class:`KvAware`: NVIDIA Dynamo's KV router cost over a prefix index fed by the
+  replicas' KV events (:class:`CachedPrefixes`): for every replica,
+  ``cost = overlap_score_weight * prefill_blocks + active_blocks`` where
+  ``prefill_blocks`` are the prompt's blocks the replica would compute (its blocks
+  less the longest prefix the replica holds in any local tier — GPU, host, disk; the
+  remote tier is excluded) and ``active_blocks`` the blocks of the requests routed
+  there and not finished yet (the router's own count: incremented when it routes a
+  request, decremented when the replica reports it finished). The cheapest replica
+  wins; ties go to the lower load, then the lower index (Dynamo's temperature 0:
+  deterministic). Dynamo documents the cost in its router design
+  (https://docs.nvidia.com/dynamo/design-docs/router-design: "potential prefill
+  blocks" and "potential active blocks", weighted by ``--kv-overlap-score-weight``,
+  default 1.0).
+- :class:`OneReplica`: everything to replica 0 (the one-cache ceiling in time).
+
+A policy is called from one thread (the router's); it keeps no clock of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..engine.request import Request
+
+__all__ = ["CachedPrefixes", "KvAware", "OneReplica", "Policy", "RoundRobin"]
+
+
+class CachedPrefixes(Protocol):
+    """What the router knows of the replicas' caches (from their KV events)."""
+
+    def longest_prefix(self, replica: int, hashes: Sequence) -> int:
+        """Leading blocks of ``hashes`` (a chain) that ``replica`` holds in any local tier."""
+        ...
+
+
+class Policy(Protocol):
+    def choose(self, req: Request) -> int:
+        """The replica that serves ``req`` (called once per request, in routing order)."""
+        ...
+
+    def finished(self, rid: int) -> None:
+        """The replica that served ``rid`` reported it finished."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """The policy's own figures over the run."""
+        ...
+
+
+class RoundRobin:
+    def __init__(self, replicas: int):
+        assert replicas > 0, f"{replicas} replicas"
+        self.replicas, self._k = replicas, 0
+
+    def choose(self, req: Request) -> int:
+        k, self._k = self._k % self.replicas, self._k + 1
+        return k
+
+    def finished(self, rid: int) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class OneReplica:
+    """The whole trace to replica 0."""
+
+    def choose(self, req: Request) -> int:
+        return 0
+
+    def finished(self, rid: int) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class KvAware:
+    """Dynamo's KV-router cost (module docstring). ``hashes(prompt)``: the prompt's
+    block hashes as the replicas' events name them."""
+
+    def __init__(self, replicas: int, index: CachedPrefixes, hashes: Callable[[Request], Sequence],
+                 tokens_per_block: int, overlap_weight: float = 1.0):
+        assert replicas > 0 and overlap_weight >= 0, (replicas, overlap_weight)
+        self.replicas, self.index, self.hashes = replicas, index, hashes
+        self.tpb, self.weight = tokens_per_block, overlap_weight
+        self.active = [0] * replicas  # blocks of the requests routed and not finished, per replica
+        self._held: dict[int, tuple[int, int]] = {}  # request id -> (replica, blocks)
+        self.overlap_blocks = 0  # blocks the chosen replicas held, over every decision
+
+    def costs(self, req: Request) -> list[tuple[float, int]]:
+        """``(cost, overlap blocks)`` of every replica for ``req``."""
+        keys = self.hashes(req)
+        blocks = -(-len(req.prompt) // self.tpb)
+        out = []
+        for k in range(self.replicas):
+            overlap = self.index.longest_prefix(k, keys)
+            out.append((self.weight * (blocks - overlap) + self.active[k], overlap))
+        return out
+
+    def choose(self, req: Request) -> int:
+        costs = self.costs(req)
+        best = min(range(self.replicas), key=lambda k: (costs[k][0], self.active[k], k))
+        need = req.blocks_needed(self.tpb)
+        self.active[best] += need
+        self._held[req.rid] = (best, need)
+        self.overlap_blocks += costs[best][1]
+        return best
+
+    def finished(self, rid: int) -> None:
+        replica, need = self._held.pop(rid)
+        self.active[replica] -= need
+
+    def stats(self) -> dict[str, int]:
+        """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed."""
+        return {"overlap_blocks": self.overlap_blocks}
