@@ -79,7 +79,7 @@ def _engine_rows(gpu: ExternalGpuTier) -> torch.Tensor:
 @pytest.mark.parametrize("groups", [1, L], ids=["whole", "by-layer"])
 @pytest.mark.parametrize("gather,order", [(g, o) for g in ("direct", "staged")
                                           for o in ("LBNHC", "separate", "BLNHC")] + [("rows", "BLNHC")])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_path, seed, gather, groups,
                                                               order):
     rng = np.random.default_rng(seed)
@@ -130,3 +130,4 @@ def test_auto_stages_pieces_smaller_than_the_copy_engines_full_rate(fake_cuda):
     assert (staged.gather, direct.gather) == ("staged", "direct")
     rows = ExternalCudaExecutor(ExternalGpuTier(LAYOUT, vllm_kv(4, "BLNHC")), None, None, torch.device("cpu"))
     assert rows.gather == "rows"
+

@@ -137,6 +137,7 @@ class ExternalPlanner:
         slots = self.index.match(hashes)
         job = len(self._jobs)
         tiers = [self.space.tier_of(s) for s in slots]
+        self.policy.record(tiers, len(tiers))  # stats: cold blocks loaded, by tier
         for s, tier, e in zip(slots, tiers, want):
             route = ONBOARD if tier == HOST else RELOAD
             self._rows.append((_ROUTE_ID[route], s - self.space.base[tier], e, job))
