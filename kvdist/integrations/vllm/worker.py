@@ -74,9 +74,9 @@ class WorkerSide:
         layer = self._layer.get(layer_name)
         if layer is None:  # a layer kvdist does not hold (not one of the registered)
             return
-        if layer == 0:
-            self._clock.start()
         self.cache.wait_layer(layer)
+        if layer == 0:  # after the wait: the forward's clock leaves out layer 0's load
+            self._clock.start()
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self._layer.get(layer_name) == len(self._layer) - 1:
