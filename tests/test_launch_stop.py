@@ -131,7 +131,8 @@ def ranks_of(launcher: int, np: int) -> list[int]:
 def test_a_rank_killed_in_start_up_of_a_replicas_job_leaves_no_host_file(tmp_path):
     """2 replicas x TP 2 on one node: the remote tier's host files
     (``kvdist-<token>-<rank>.host``) are in /dev/shm from the build until every peer has
-    mapped them. The ranks are frozen (SIGSTOP) the moment all four files exist, rank 1
+    mapped them, and so is the node directory (``kvdist-<token>-<rank>.node``, from the
+    commit on). The ranks are frozen (SIGSTOP) the moment all five files exist, rank 1
     is SIGKILLed and the others go on: mpiexec kills them, and nothing may be left."""
     cfg = tiny_config(tmp_path, cache={"host": {"bytes": "1MiB"}}, workload={"requests": 16},
                       distributed={"consensus_timeout_s": 60, "tp_size": 2, "remote": {"enabled": True}})
@@ -139,14 +140,14 @@ def test_a_rank_killed_in_start_up_of_a_replicas_job_leaves_no_host_file(tmp_pat
     shm = f"/proc/{holder}/root/dev/shm"
     try:
         deadline = time.monotonic() + 120
-        while sum(name.endswith(".host") for name in os.listdir(shm)) < 4:
+        while sum(name.endswith((".host", ".node")) for name in os.listdir(shm)) < 5:
             assert time.monotonic() < deadline and proc.poll() is None, os.listdir(shm)
             time.sleep(0.001)
         ranks = ranks_of(proc.pid, 4)
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
-        hosts = sorted(name for name in os.listdir(shm) if name.endswith(".host"))
-        assert len(hosts) == 4, f"the ranks were frozen too late: {hosts}"
+        files = sorted(name for name in os.listdir(shm) if name.endswith((".host", ".node")))
+        assert len(files) == 5, f"the ranks were frozen too late: {files}"
         victim = rank_pid(proc, 1)
         os.kill(victim, signal.SIGKILL)
         for pid in ranks:

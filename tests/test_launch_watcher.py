@@ -117,13 +117,13 @@ def test_leftovers_are_new_unmapped_files_of_mpich_and_kvdist(tmp_path):
     old.write_bytes(b"x")
     os.utime(old, (1, 1))  # mtime only; ctime is now: older files are judged by ctime
     since = time.time() - 1
-    for name in ("mpich_shm_left_0", "kvdist-00ab-1.host", "kvdist-00ab-1.stamps", "mpich_shm_live_0",
-                 "other_0"):
+    for name in ("mpich_shm_left_0", "kvdist-00ab-1.host", "kvdist-00ab-1.stamps",
+                 "kvdist-00ab-0.node", "mpich_shm_live_0", "other_0"):
         (shm / name).write_bytes(b"x")
     (proc / "77" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 9 {shm}/mpich_shm_live_0\n")
     found = rank_watcher.leftovers(since, str(shm), str(proc))
-    assert sorted(Path(p).name for p in found) == ["kvdist-00ab-1.host", "kvdist-00ab-1.stamps",
-                                                   "mpich_shm_left_0", "mpich_shm_old_0"]
+    kvdist_files = ["kvdist-00ab-0.node", "kvdist-00ab-1.host", "kvdist-00ab-1.stamps"]
+    assert sorted(Path(p).name for p in found) == [*kvdist_files, "mpich_shm_left_0", "mpich_shm_old_0"]
     assert rank_watcher.leftovers(time.time() + 60, str(shm), str(proc)) == []  # none changed since
 
 

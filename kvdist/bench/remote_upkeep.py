@@ -91,6 +91,7 @@ def _drive(cache, steps: int, seed: int, decode: int, admit: int) -> dict:
             "message_bytes": r.get("directory_bytes_sent", 0) / steps,
             "records": r.get("directory_records_applied", 0) / steps,
             "directory_blocks": r.get("directory_blocks", 0), "directory_bytes": r.get("directory_bytes", 0),
+            "node_directory_bytes": r.get("node_directory_bytes", 0),
             "metadata_bytes": st["metadata_bytes"]}
 
 
@@ -136,20 +137,25 @@ def run_upkeep(args, comm) -> int:
                       f"{sum(e['remote_tokens'] for e in last[::tp]):,}",
                       f"{fig(remote, 'messages'):.2f}", f"{fig(remote, 'message_bytes'):,.0f}",
                       f"{fig(remote, 'records'):.0f}",
-                      f"{fig(remote, 'directory_blocks'):,.0f}", f"{fig(remote, 'directory_bytes'):,.0f}"])
+                      f"{fig(remote, 'directory_blocks'):,.0f}", f"{fig(remote, 'directory_bytes'):,.0f}",
+                      f"{fig(remote, 'node_directory_bytes'):,.0f}"])
     every = args.every or _default_every()
     print(f"bench remote --upkeep: {world} ranks = {world // tp} replicas x TP {tp}, {args.steps} steps "
           f"of {args.admit} admissions (each decoded {args.decode} steps), directory messages every "
           f"{every} steps; medians over {args.rounds} rounds of the median over ranks, per step (µs)")
     print(tabulate(table, headers=["run", "API CPU", "boundaries CPU", "admissions CPU", "rest CPU",
                                    "agreement wall", "reused", "remote tokens", "dir. msgs/step",
-                                   "dir. bytes/step", "records applied/step", "dir. blocks", "dir. bytes"],
+                                   "dir. bytes/step", "records applied/step", "dir. blocks", "dir. bytes",
+                                   "node dir. bytes"],
                    tablefmt="simple"))
     print("CPU: the thread's CPU time in the cache's calls, by phase: boundaries = begin_step + "
           "end_step (keeping the directory: publishing stamps, sending, receiving and applying "
           "records; the TP group's agreement), admissions = add_sequence (looking blocks up, "
           "fetching them), rest = append_tokens, block_table, release; (+x%) = the increase over "
-          "the isolated run's API CPU. The stamp hooks on each host-tier change run inside the "
+          "the isolated run's API CPU. Dir. bytes: this rank's mirror of the replicas that send it "
+          "records; node dir. bytes: the node directory file it maps (one a node, shared by the "
+          "node's ranks: replicas whole on one node list their blocks there instead of sending "
+          "records). The stamp hooks on each host-tier change run inside the "
           "calls that change the tier (mostly admissions). Agreement wall: the MIN-reduces' wall "
           "time, which includes waiting for the TP group's slowest rank (on an oversubscribed "
           "machine, for a core)")

@@ -1,6 +1,7 @@
 """The directory: which other replica holds which block in its host tier (rule R4).
 
-Each replica's ranks keep a *mirror* of every peer replica's host tier: per peer host
+Each replica's ranks keep a *mirror* of the host tier of every peer replica that is
+not a node peer (those are looked up in ``node_directory``'s file): per peer host
 slot, the hash of the block it holds (or nothing). Peers send their changes as
 records — ``(slot, held, hash)``, one per host slot whose block changed since their
 last message — and a replica applies them at step boundaries, in an order its TP ranks agree on
@@ -12,11 +13,13 @@ the hash (the high half is checked against the mirror); several peers may hold o
 block (a system prompt every replica holds): a lookup takes the first found. Every
 replica applies every peer's changes, so applying must cost next to nothing per
 record: all records that arrived are applied at once, in a fixed number of numpy
-operations whatever their number (``HolderTable``). Memory per peer host slot: 17
+operations whatever their number (``HolderTable``). Memory per mirrored peer host slot: 17
 bytes of mirror, 4 of position and 8-16 of table (int32 entries, buckets at most half
 full)."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -140,17 +143,37 @@ class HolderTable:
             assert all(int(self.lo[g]) & self.mask == bucket for g in gs), "a spilled entry of another bucket"
 
 
-class Directory:
-    """The mirror of every peer replica's host tier (``host_slots`` slots each) for
-    replica ``me`` of ``num_replicas``. Entry ``g = peer * host_slots + slot``."""
+class NodeLookup(Protocol):
+    """The node directory as lookups see it (``kvdist.distributed.node_directory``)."""
 
-    def __init__(self, num_replicas: int, me: int, host_slots: int):
+    epochs: np.ndarray  # the node peers' epochs this rank reads at (in the digest)
+
+    def find(self, hi: int, lo: int) -> int: ...
+    def listed(self) -> int: ...
+    def known(self) -> int: ...
+
+
+class Directory:
+    """What replica ``me`` of ``num_replicas`` knows of the other replicas' host tiers
+    (``host_slots`` slots each); a directory entry is ``g = peer * host_slots + slot``.
+    The peers on this node (``node``, when there are any) send no records: their
+    blocks are looked up in the node directory, first. The others' (``mirrored``, by
+    default every other replica) are kept in a mirror of their host tiers, in their
+    order: mirror entry ``m = i * host_slots + slot`` for ``mirrored[i]``."""
+
+    def __init__(self, num_replicas: int, me: int, host_slots: int, node: NodeLookup | None = None,
+                 mirrored: tuple[int, ...] | None = None):
         self.num_replicas, self.me, self.host_slots = num_replicas, me, host_slots
-        n = num_replicas * host_slots
+        self.node = node
+        self.mirrored = tuple(p for p in range(num_replicas) if p != me) if mirrored is None else mirrored
+        assert me not in self.mirrored, "a replica mirrors its own host tier"
+        self._index = np.full(num_replicas, -1, dtype=np.int64)  # peer -> its place in the mirror
+        self._index[list(self.mirrored)] = np.arange(len(self.mirrored))
+        n = len(self.mirrored) * host_slots
         self.hi = np.zeros(n, dtype=np.uint64)
         self.lo = np.zeros(n, dtype=np.uint64)
         self.held = np.zeros(n, dtype=bool)
-        self.table = HolderTable(max((num_replicas - 1) * host_slots, 1), self.hi, self.lo)
+        self.table = HolderTable(max(n, 1), self.hi, self.lo)
         self.records_applied = 0
 
     @property
@@ -159,8 +182,14 @@ class Directory:
         return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + t.table.nbytes + t.at.nbytes
 
     def __len__(self) -> int:
-        """Blocks the peers hold (one per holder), as far as this mirror knows."""
-        return self.table.live
+        """Blocks the peers hold (one per holder), as far as this rank's lookups see
+        (the node directory's part counted entry by entry: for tests)."""
+        return self.table.live + (self.node.listed() if self.node is not None else 0)
+
+    def known(self) -> int:
+        """Blocks the peers hold, as the mirror and the node peers' latest entries say
+        (cheap: for stats)."""
+        return self.table.live + (self.node.known() if self.node is not None else 0)
 
     def apply(self, messages: list[tuple[int, np.ndarray]]) -> None:
         """Apply ``(peer, records)`` messages, in the order given (each peer's in the
@@ -169,12 +198,12 @@ class Directory:
         if not messages:
             return
         peers = [peer for peer, _ in messages]
-        assert self.me not in peers and 0 <= min(peers) and max(peers) < self.num_replicas, \
-            f"bad peers {peers}"
+        assert 0 <= min(peers) and max(peers) < self.num_replicas and (self._index[peers] >= 0).all(), \
+            f"records of peers {peers}, mirrored {self.mirrored}"
         rec = messages[0][1] if len(messages) == 1 else np.concatenate([r for _, r in messages])
         slots = (rec[:, 0] >> np.uint64(1)).astype(np.int64)
         assert len(slots) == 0 or slots.max() < self.host_slots, "a record names a slot out of range"
-        bases = np.array(peers, dtype=np.int64) * self.host_slots
+        bases = self._index[peers] * self.host_slots
         g = slots + np.repeat(bases, [len(r) for _, r in messages])
         held, hi, lo = (rec[:, 0] & np.uint64(1)).astype(bool), rec[:, 1], rec[:, 2]
         if len(set(peers)) < len(peers):  # a peer's slot may be in two messages: the last stands
@@ -190,12 +219,17 @@ class Directory:
 
     def match(self, hashes: list[int]) -> list[int]:
         """Entries of the longest run of leading ``hashes`` some peer holds."""
-        find = self.table.find
+        table, node, n = self.table, self.node, self.host_slots
         out = []
         for h in hashes:
-            g = find(h >> 64, h & MASK64)
+            hi, lo = h >> 64, h & MASK64
+            g = node.find(hi, lo) if node is not None else EMPTY
             if g < 0:
-                break
+                m = table.find(hi, lo) if table.live else EMPTY
+                if m < 0:
+                    break
+                i, slot = divmod(m, n)
+                g = self.mirrored[i] * n + slot
             out.append(g)
         return out
 
@@ -210,11 +244,11 @@ class Directory:
         h.update(self.hi)
         h.update(self.lo)
         h.update(self.table.table)
+        if self.node is not None:
+            h.update(self.node.epochs)
         return h.digest()
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
-        mine = slice(self.me * self.host_slots, (self.me + 1) * self.host_slots)
-        assert not self.held[mine].any(), "the mirror holds this replica's own slots"
         assert np.array_equal(np.sort(self.table.entries()), np.flatnonzero(self.held)), \
             "table entries != held mirror slots"

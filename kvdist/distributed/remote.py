@@ -92,7 +92,8 @@ class RemoteTier:
     def __init__(self, *, tp, channel: DirectoryChannel, directory: Directory, stamps: SlotStamps,
                  transports: dict[int, Fetcher], server: MessageServer, rules: RemoteRules,
                  slots: LocalSlots, fetch_timeout_s: float, replica: int, num_replicas: int,
-                 bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1):
+                 bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1,
+                 serve: bool = True):
         self.tp = tp  # the TP group's communicator (MpiComm, or SingleComm for TP 1)
         self.channel, self.directory, self.stamps = channel, directory, stamps
         self.transports = transports  # peer replica -> transport
@@ -120,15 +121,22 @@ class RemoteTier:
         self._agreed: np.ndarray | None = None  # directory counts the last end_step agreed on
         # Every fetcher once (one message transport fetches from all peers it reaches).
         self._fetchers = list({id(t): t for t in transports.values()}.values())
+        self._progressing = [f for f in self._fetchers if type(f).progress is not Fetcher.progress]
         self.server = server  # the holder's side of the message transport: answers peers
+        self.serve = serve  # some peer fetches from this rank by messages (else none asks)
 
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = (), directory: bool = True) -> None:
         """Answer peers, match arrived directory messages (if ``directory``), poll the
-        fetches in flight and ``also`` (never blocks)."""
+        fetches in flight and ``also`` (never blocks). Nothing at all when no peer can
+        ask, nothing is in flight and no message can come."""
+        if not (self.serve or self._progressing or self.inflight or also
+                or (directory and self.channel.peers)):
+            return
         t0 = time.perf_counter()
-        self.server.service()
-        for f in self._fetchers:
+        if self.serve:
+            self.server.service()
+        for f in self._progressing:  # the transports with work between polls
             f.progress()
         if directory:
             self.channel.poll()
@@ -199,9 +207,9 @@ class RemoteTier:
         return agreed_extra
 
     def _apply(self, agreed_counts: np.ndarray) -> None:
-        """The directory messages up to the agreed count of each peer."""
-        self.directory.apply([(peer, records) for peer in range(self.num_replicas)
-                              for records in self.channel.take(peer, int(agreed_counts[peer]))])
+        """The directory messages up to the agreed count of each message peer; the
+        node peers' agreed epochs."""
+        self.directory.apply(self.channel.agreed(agreed_counts))
 
     # -- agreement and verdicts -----------------------------------------------------------------------
     def _agree(self, counts: np.ndarray | None, batches: list[Batch], what: str,
@@ -396,14 +404,16 @@ class RemoteTier:
         and commit raises). Returns the tier each block fetched for the prompt (by its
         prefetch or now) is in, for ``after_add``, which counts the remote hits."""
         seq_id = plan.seq_id
-        landed = self._prefetched.pop(seq_id, set())
-        self._prefetch.pop(seq_id, None)
-        self._deferred.pop(seq_id, None)
+        landed = self._prefetched.pop(seq_id, set()) if self._prefetched else set()
+        if self._prefetch:
+            self._prefetch.pop(seq_id, None)
+        if self._deferred:
+            self._deferred.pop(seq_id, None)
         if plan.fits:
             landed |= self.pull(plan.remote_hashes)
         if len(self._prefetched) > _PREFETCH_RECORDS:  # prefetched, never admitted
             self._prefetched.pop(next(iter(self._prefetched)))
-        return {h: t for h in landed if (t := self.slots.tier_of(h)) is not None}
+        return {h: t for h in landed if (t := self.slots.tier_of(h)) is not None} if landed else {}
 
     def after_add(self, hashes: list[int], tier_of: dict[int, int], reused_tokens: int) -> None:
         """Count the prompt's reused blocks (``hashes[:reused_tokens // tokens per
@@ -431,8 +441,9 @@ class RemoteTier:
             "given_up_here": dict(c.reasons),
             "in_flight_blocks": sum(int((~b.decided).sum()) for b in self.inflight),
             "prefetches": c.prefetches,
-            "directory_blocks": len(self.directory),
+            "directory_blocks": self.directory.known(),
             "directory_bytes": self.directory.nbytes,
+            "node_directory_bytes": node.shape.nbytes if (node := self.channel.node) else 0,
             "directory_records_applied": self.directory.records_applied,
             "directory_messages_sent": self.channel.messages_sent,
             "directory_bytes_sent": self.channel.bytes_sent,
@@ -453,6 +464,8 @@ class RemoteTier:
 
     def check_invariants(self) -> None:
         self.directory.check_invariants()
+        if self.channel.node is not None:
+            self.channel.node.check_invariants()
         expected = np.sort(np.concatenate([b.dst[~b.released] for b in self.inflight])
                            if self.inflight else np.zeros(0, dtype=np.int64))
         assert np.array_equal(expected, self.slots.landing_slots()), \

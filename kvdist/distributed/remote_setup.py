@@ -4,12 +4,21 @@ ranks or on none.
 ```
 before the build: one allgather of (job token, node) — the host tier of a rank with a
                   peer replica on its node goes into a shared-memory file named by the token
-after commit:     each rank opens its stamps, maps the shared host tiers and stamps of the
-                  peers on its node (same TP index), builds its transports and directory
-                  all ranks: allgather of (node, files, errors); MAX-reduce of "failed"
+after commit:     each rank opens its stamps; the node's first rank creates the node
+                  directory (when two or more replicas are whole on the node)
+                  all ranks: allgather of (node, files, errors); each rank maps the shared
+                  host tiers and stamps of the peers on its node (same TP index) and, with
+                  node peers, the node directory; builds its transports and directory
+                  all ranks: MAX-reduce of "failed"
                   any rank failed -> every rank drops its remote parts, one warning names why
                   else every rank removes its files' names (the peers have them mapped)
 ```
+
+Two replicas are *node peers* when every rank of both is on one node with its host
+tier and stamps in shared memory, and the node directory exists: they list their
+blocks for each other in the node directory (``node_directory``) and send each other
+no directory messages; a rank that no peer reaches by messages never probes for
+fetch requests.
 
 Every rank reaches every collective whatever fails locally. A rank whose host tier did
 not fit in /dev/shm keeps it in private memory; the peers then fetch from it with MPI
@@ -35,6 +44,7 @@ from .directory import Directory
 from .directory_channel import DirectoryChannel
 from .message_server import MessageServer
 from .message_transport import MessageTransport
+from .node_directory import NodeDirectory, NodeShape
 from .peer_copy import make_copier
 from .remote import LocalSlots, RemoteTier, shm_dir
 from .remote_rules import REMOTE_RULES, RemoteRules
@@ -58,6 +68,22 @@ class SharePlan:
 
     def stamps_path(self, rank: int) -> str:
         return os.path.join(shm_dir(), f"kvdist-{self.token:016x}-{rank}.stamps")
+
+    def node_replicas(self, layout: ReplicaLayout) -> tuple[int, ...]:
+        """The replicas that have every rank on this rank's node."""
+        here = self.nodes[layout.rank]
+        return tuple(r for r in range(layout.num_replicas)
+                     if all(self.nodes[layout.world_rank(r, t)] == here for t in range(layout.tp_size)))
+
+    def node_directory(self, layout: ReplicaLayout, host_slots: int) -> tuple[int, str, NodeShape] | None:
+        """(the rank that creates it, its file, its shape) of this rank's node
+        directory; None when fewer than two replicas are whole on this node."""
+        replicas = self.node_replicas(layout)
+        if len(replicas) < 2:
+            return None
+        creator = layout.world_rank(replicas[0], 0)
+        return (creator, os.path.join(shm_dir(), f"kvdist-{self.token:016x}-{creator}.node"),
+                NodeShape(replicas, layout.tp_size, host_slots))
 
 
 def wanted(cfg: CacheConfig, layout: ReplicaLayout) -> bool:
@@ -106,8 +132,10 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
         stamps = SlotStamps(host.num_blocks, stamps_path)
     except Exception as e:  # a stamps file that cannot be had: peers use messages
         error = f"{type(e).__name__}: {e}"
+    created = _create_node_directory(cfg, plan, layout, host.num_blocks)
     info = {"host": host.shared_path if stamps is not None and stamps.shared_path else None,
             "stamps": stamps.shared_path if stamps is not None else None,
+            "node": created.path if created is not None else None,
             "shm_error": host.shared_error, "error": error}
     infos = comm.allgather(info, "remote tier: host tier files")
     enforced = RemoteRules.named(REMOTE_RULES if rules is None else rules)
@@ -118,6 +146,9 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
     failed = comm.allreduce_max(int(error is not None), "remote tier: commit")
+    if created is not None:  # every rank with node peers has it mapped (or failed)
+        created.unlink()
+        created.close()
     if failed:
         reasons = comm.allgather(error, "remote tier: reasons")
         for thing in reversed(built):
@@ -138,6 +169,37 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
                       f"{', '.join(map(str, misses))} ({infos[misses[0]]['shm_error']}): remote "
                       f"fetches from them go through MPI messages", RemoteTierWarning, stacklevel=3)
     return tier
+
+
+def _create_node_directory(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout,
+                           host_slots: int) -> NodeDirectory | None:
+    """The node directory's file, on the rank that creates it (None elsewhere, or when
+    it cannot be had: the node's replicas then exchange messages)."""
+    where = plan.node_directory(layout, host_slots)
+    if where is None or where[0] != layout.rank or cfg.distributed.remote.transport != "auto":
+        return None
+    try:
+        return NodeDirectory(where[1], where[2], layout.replica, layout.tp_rank, (), create=True)
+    except Exception:  # no room in /dev/shm: messages
+        return None
+
+
+def _node_peers(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout,
+                infos: list[dict]) -> tuple[int, ...]:
+    """This replica's node peers (see the module docstring): the same on its TP ranks,
+    and symmetric, since every rank decides from the same table."""
+    where = plan.node_directory(layout, 0)
+    if where is None or cfg.distributed.remote.transport != "auto" or infos[where[0]]["node"] is None:
+        return ()
+
+    def shared(r: int) -> bool:
+        return all(infos[layout.world_rank(r, t)]["host"] is not None
+                   and infos[layout.world_rank(r, t)]["stamps"] is not None for t in range(layout.tp_size))
+
+    replicas = plan.node_replicas(layout)
+    if not shared(layout.replica):
+        return ()
+    return tuple(r for r in replicas if r != layout.replica and shared(r))
 
 
 def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, infos: list[dict],
@@ -174,9 +236,23 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
                                                slots, rules.check_stamps, fail)
         else:
             transports[peer] = messages
-    channel = DirectoryChannel(replicas.cross, layout.replica, layout.num_replicas, plan.token)
-    return RemoteTier(tp=replicas.tp, channel=channel,
-                      directory=Directory(layout.num_replicas, layout.replica, host.num_blocks),
+    node_peers = _node_peers(cfg, plan, layout, infos)
+    node = None
+    if node_peers:
+        _, path, shape = plan.node_directory(layout, host.num_blocks)
+        node = NodeDirectory(path, shape, layout.replica, layout.tp_rank, node_peers)
+        built.append(node)
+    others = tuple(p for p in range(layout.num_replicas) if p != layout.replica and p not in node_peers)
+    channel = DirectoryChannel(replicas.cross, layout.replica, layout.num_replicas, plan.token,
+                               peers=others, node=node)
+    # Peers fetch from this rank by messages unless they share its node and its host tier.
+    here = rc.transport == "auto" and infos[layout.rank]["host"] is not None \
+        and infos[layout.rank]["stamps"] is not None
+    serve = any(not (here and plan.nodes[layout.world_rank(p, layout.tp_rank)] == plan.nodes[layout.rank])
+                for p in range(layout.num_replicas) if p != layout.replica)
+    return RemoteTier(tp=replicas.tp, channel=channel, serve=serve,
+                      directory=Directory(layout.num_replicas, layout.replica, host.num_blocks, node,
+                                          mirrored=others),
                       stamps=stamps, transports=transports, server=server, rules=rules, slots=slots,
                       fetch_timeout_s=rc.fetch_timeout_ms / 1000, replica=layout.replica,
                       num_replicas=layout.num_replicas, bytes_per_block=host.layout.bytes_per_block,

@@ -71,6 +71,41 @@ def test_replica_reuses_a_prefix_only_another_replica_computed(world, transport)
         else:
             r.serve_until(world.Ibarrier())  # messages: the holder answers between its steps
         r.cache.check_consistency()
+        # One node: the replicas list their blocks in the node directory, send no
+        # directory messages and never probe for fetch requests; with messages, both.
+        s = r.cache.stats()["remote"]
+        heard = s["directory_messages_sent"] if r.replica == HOLDER else s["directory_messages_received"]
+        assert (heard > 0, r.remote.serve) == ((False, False) if transport == "auto" else (True, True))
+        assert (s["node_directory_bytes"] > 0) == (transport == "auto")
+
+
+def test_node_peers_share_the_node_directory_and_the_others_get_messages(world, monkeypatch):
+    """TP 1, two ranks a (faked) node: replica 0 and replica 1 are node peers, the other
+    replicas are on other nodes. Every other replica reuses replica 0's prompt: replica
+    1 finds it in the node directory, the others in the records replica 0 sent them;
+    replica 0 sends records to the replicas of other nodes only."""
+    if world.size < 4 or world.size % 2:
+        pytest.skip("needs two faked nodes of two ranks")
+    monkeypatch.setenv("KVDIST_FAKE_RANKS_PER_NODE", "2")
+    cfg = config(world=world.size)
+    cfg["distributed"]["tp_size"] = 1
+    with Replica(cfg, ALL) as r:
+        me, n = r.replica, r.cache.num_replicas
+        mate = me ^ 1  # the other replica of this rank's node
+        assert r.remote.channel.peers == tuple(p for p in range(n) if p not in (me, mate))
+        assert r.cache.stats()["remote"]["transports"] == {"shared": 1, "messages": n - 2}
+        r.hold_prompt() if me == HOLDER else None
+        world.Barrier()
+        if me != HOLDER:
+            r.wait_for_directory()
+            assert r.step({"p": PROMPT}) == {"p": FULL * 4} and r.d.mismatched_tokens == 0
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
+        s = r.cache.stats()["remote"]
+        if me == HOLDER:
+            assert s["directory_messages_sent"] > 0 and s["directory_messages_sent"] % (n - 2) == 0
+        r.cache.check_consistency()
 
 
 @pytest.mark.parametrize("ride", [True, False], ids=["agreed-at-end_step", "agreed-at-begin_step"])
@@ -346,6 +381,49 @@ def test_directory_message_of_an_earlier_cache_is_dropped(world):
         old.close()
         new.close()
         pair.Free()
+
+
+def test_directory_message_of_an_earlier_cache_with_more_replicas_is_dropped(world):
+    """An earlier cache of three replicas on the same communicator left a message from
+    replica 2 to replica 0; the new cache has two replicas: the message's sender is no
+    peer of it, and the new channel drops it instead of failing, counting only its
+    peer's message."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from kvdist.distributed.directory import encode
+    from kvdist.distributed.directory_channel import DirectoryChannel
+
+    if world.size < 3:
+        pytest.skip("needs three ranks")
+    trio = world.Split(0 if world.rank < 3 else MPI.UNDEFINED, world.rank)
+    if trio == MPI.COMM_NULL:
+        return
+    me = trio.rank
+    one = lambda slot: encode(np.array([slot]), np.array([1]), np.array([7], dtype=np.uint64),  # noqa: E731
+                              np.array([8], dtype=np.uint64))
+    old = DirectoryChannel(trio, me, 3, token=11, peers=(0,) if me == 2 else ())
+    new = DirectoryChannel(trio, me, 2, token=22) if me < 2 else None
+    try:
+        old.send(one(3))  # replica 2's, never received by the earlier cache
+        trio.Barrier()
+        if new is not None:
+            new.send(one(5))
+            for _ in range(2000):
+                new.poll()
+                if new.counts()[1 - me] == 1 and (me == 1 or new.stale_dropped == 1):
+                    break
+                time.sleep(0.001)
+            assert new.counts().tolist() == [1 if p == 1 - me else 0 for p in range(2)]
+            assert new.stale_dropped == (1 if me == 0 else 0)
+            (records,) = new.take(1 - me, 1)
+            assert records.tolist() == one(5).tolist()
+        trio.Barrier()
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        trio.Free()
 
 
 def test_a_given_up_blocks_slot_is_freed_once_every_tp_rank_is_done(world, monkeypatch):
