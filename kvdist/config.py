@@ -399,6 +399,9 @@ def _check_external(cfg: CacheConfig) -> None:
     if cfg.distributed.remote.enabled:
         raise ConfigError("distributed.remote.enabled", True, "the remote tier is not built for "
                           "cache.gpu: external yet")
+    if c.events.enabled:
+        raise ConfigError("cache.events.enabled", True, "kvdist publishes no KV cache events with "
+                          "cache.gpu: external yet (the engine publishes its own)")
 
 
 def _check_disk_dir(disk: DiskTierConfig) -> None:

@@ -224,6 +224,8 @@ def test_mistakes_are_one_line_errors_naming_the_key(pair, tmp_path):
         kvdist.load_config({**config(), "cache": {**config()["cache"], "gpu": "externl"}})
     with pytest.raises(ConfigError, match=r"distributed.remote.enabled"):
         kvdist.load_config({**config(), "distributed": {"remote": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"cache.events.enabled.*no KV cache events"):
+        kvdist.load_config({**config(), "cache": {**config()["cache"], "events": {"enabled": True}}})
     with pytest.raises(ConfigError, match=r"kvdist.external.create"):
         kvdist.create(config())
     worker = create(config())
