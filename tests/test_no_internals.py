@@ -14,7 +14,7 @@ import pytest
 from kvdist.cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", ".venv", "kvdist", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+SKIP_DIRS = {".git", ".venv", ".venv-vllm", "kvdist", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
 SUFFIXES = {".py", ".sh", ".md", ".yaml", ""}
 
 # KVCache's private attributes, and the names under which its parts were once reachable.

@@ -1,0 +1,105 @@
+"""The worker-side half of the connector (each vLLM worker process: one kvdist rank over
+this worker's KV heads), over kvdist's ``ExternalCache``:
+
+  register_kv_caches   kvdist's tiers built (the start-up consensus) and vLLM's tensors
+                       registered;
+  start_load_kv        the step's copies issued in the planner's order: loads, then the
+                       saves behind them (S4: after the compute queued so far);
+  wait_for_layer_load  the layer's share of the loads waited for (S5 per layer);
+  save_kv_layer        no copy: kvdist saves whole blocks of finished requests, issued by
+                       ``start_load_kv``, which vLLM calls after submitting the forward
+                       when the step has no synchronous load (off the critical path);
+                       the last layer's call ends the forward's clock (``ForwardClock``);
+  wait_for_save        nothing to wait for: a save's blocks stay vLLM's held blocks until
+                       ``get_finished`` names its request;
+  get_finished         saves and asynchronous loads whose copies all completed; the
+                       step's prefill figure for the recompute policy;
+  report               this rank's recompute-policy figures, for the planner;
+  get_block_ids_with_load_errors  engine blocks whose bytes kvdist did not load.
+
+Invariant: the asynchronous loads named in ``_async`` are exactly those in flight whose
+completion vLLM waits for in ``finished_recving``; a synchronous load is never reported
+there (vLLM accepts only requests that wait for it). Every asynchronous load has copies or
+failed blocks to report, so ``finished`` names it: vLLM asks ``get_num_new_matched_tokens``
+and ``update_state_after_alloc`` in one scheduling pass, in which the planner loses no
+block (only ``plan_save``, at ``request_finished``, evicts)."""
+
+from __future__ import annotations
+
+__all__ = ["WorkerSide"]
+
+from collections.abc import Mapping
+
+import torch
+
+from ...config import CacheConfig
+from ...external import ExternalCache, create
+from .forward_clock import ForwardClock
+from .plan import KVDistConnectorMetadata, KVDistWorkerMetadata
+
+
+class WorkerSide:
+    def __init__(self, cfg: CacheConfig) -> None:
+        self.cfg = cfg
+        self._cache: ExternalCache | None = None
+        self._layer: dict[str, int] = {}
+        self._async: set[str] = set()
+        self._clock: ForwardClock | None = None
+
+    @property
+    def cache(self) -> ExternalCache:
+        assert self._cache is not None, "the worker's KV caches are not registered (register_kv_caches)"
+        return self._cache
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], comm=None) -> None:
+        """Build this rank's tiers (collective over ``comm``: None is a Dup of
+        COMM_WORLD under mpiexec, else this worker alone) and register vLLM's tensors."""
+        assert self._cache is None, "register_kv_caches called twice"
+        device = next(iter(kv_caches.values())).device
+        cache = create(self.cfg, comm=comm, device=device)
+        try:
+            cache.register(kv_caches)
+        except BaseException:
+            cache.close(wait_for_peers=False)
+            raise
+        self._cache = cache
+        self._layer = {name: i for i, name in enumerate(kv_caches)}
+        self._clock = ForwardClock(device)
+
+    def start_load_kv(self, meta: KVDistConnectorMetadata) -> None:
+        self.cache.start(meta.transfers)
+        self._async |= meta.async_loads
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer.get(layer_name)
+        if layer is None:  # a layer kvdist does not hold (not one of the registered)
+            return
+        self.cache.wait_layer(layer)
+        if layer == 0:  # after the wait: the forward's clock leaves out layer 0's load
+            self._clock.start()
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self._layer.get(layer_name) == len(self._layer) - 1:
+            self._clock.stop()
+
+    def get_finished(self, meta: KVDistConnectorMetadata) -> tuple[set[str], set[str]]:
+        """After the step's forward: what finished, and the forward's figure."""
+        for tokens, seconds in self._clock.end_step(meta.computed_tokens):
+            self.cache.observe_prefill(tokens, seconds)
+        done = self.cache.finished()
+        loaded = self._async & done.loaded
+        self._async -= loaded
+        return set(done.saved), loaded
+
+    def load_errors(self) -> set[int]:
+        return self.cache.failed_blocks()
+
+    def report(self) -> KVDistWorkerMetadata:
+        return KVDistWorkerMetadata(tuple(self.cache.figures()))
+
+    def shutdown(self) -> None:
+        """Wait for every copy (a save's blocks are vLLM's again after this) and free
+        kvdist's tiers."""
+        if self._cache is not None:
+            cache, self._cache = self._cache, None
+            cache.close()
