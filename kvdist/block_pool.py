@@ -250,9 +250,6 @@ class BlockPool:
         if self.host_observer is not None:
             for s, d in zip(srcs, dsts):
                 self._host_changed(s, d)
-        if self.block_observer is not None:
-            for s, d in zip(srcs, dsts):
-                self.block_observer.moved(s, d)
 
     def submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order."""
