@@ -133,7 +133,14 @@ class EventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=int(self._linger_s * 1000))
-        self._ctx.term()
+        # zmq_ctx_term waits for the sockets' pending messages; once (in a CI run) it did
+        # not return at all: bounded here, so that closing a cache never hangs.
+        term = threading.Thread(target=self._ctx.term, name="kvdist-events-term", daemon=True)
+        term.start()
+        term.join(self._linger_s + 2.0)
+        if term.is_alive():
+            log.warning("kvdist events: the ZMQ context did not terminate within %.0f s; left to the "
+                        "process's exit", self._linger_s + 2.0)
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
