@@ -115,7 +115,7 @@ class Inbox:
             return
         for s in (self._pull, self._push):
             if s is not None:
-                s.close()
+                s.close(linger=0)  # nothing left to deliver: term must not wait
         self._ctx.term()
 
 
@@ -224,7 +224,7 @@ class Router:
             self._thread = None
         if not self._ctx.closed:
             for s in (self._done, *self._out):
-                s.close()
+                s.close(linger=0)  # nothing left to deliver: term must not wait
             self._ctx.term()
             if self.events is not None:
                 self.events.close()
