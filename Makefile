@@ -59,8 +59,12 @@ lint: $(STAMP)
 unit: $(STAMP) $(OMPI) nodes-tools
 	$(BIN)/python -m pytest -q tests
 
+# Each rank gets a base temp dir of its own under one per job (tests/mpi/conftest.py), removed after.
 mpi: $(STAMP)
-	$(BIN)/mpiexec -n $(NP) $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests/mpi
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/kvdist-mpi-tests.XXXXXX"); \
+	echo "$(BIN)/mpiexec -n $(NP) $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests/mpi"; \
+	KVDIST_MPI_BASETEMP=$$tmp $(BIN)/mpiexec -n $(NP) $(BIN)/python -m mpi4py -m pytest -q --with-mpi -m mpi \
+	    -p no:cacheprovider tests/mpi; rc=$$?; rm -rf "$$tmp"; exit $$rc
 
 # The vLLM connector's tests (tests/vllm) run in a venv of their own, so .venv keeps its
 # torch: torch 2.13 CPU, vLLM's requirements but its GPU-only ones (tests/vllm/requirements.txt,
