@@ -33,7 +33,7 @@ from ...errors import ConfigError
 from ...external import ExternalCache, ExternalPlanner
 from .plan import KVDistConnectorMetadata
 from .scheduler import SchedulerSide
-from .settings import Geometry, kvdist_config
+from .settings import kvdist_config, layout_of
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class KVDistConnector(KVConnectorBase_V1):
         load_async = extra.get("load_async", False)
         if not isinstance(load_async, bool):
             raise ConfigError("kv_connector_extra_config.load_async", load_async, "must be true or false")
-        cfg = kvdist_config(extra.get("kvdist_config"), Geometry.of(kv_cache_config))
+        cfg = kvdist_config(extra.get("kvdist_config"), layout_of(kv_cache_config))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

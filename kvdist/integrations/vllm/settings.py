@@ -7,16 +7,16 @@ workers build. No vLLM import at module level."""
 
 from __future__ import annotations
 
-__all__ = ["Geometry", "kvdist_config"]
+__all__ = ["kvdist_config", "layout_of"]
 
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import yaml
 
 from ...config import CacheConfig, load_config
 from ...errors import ConfigError
+from ...layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -24,33 +24,23 @@ if TYPE_CHECKING:
 _KEY = "kv_connector_extra_config.kvdist_config"
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """One worker's KV as vLLM allocates it (the ``model:`` section kvdist needs)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    tokens_per_block: int
-
-    @classmethod
-    def of(cls, kv_cache_config: KVCacheConfig) -> Geometry:
-        """From vLLM's KV cache config: one group of full-attention layers."""
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConfigError("kv_connector", "KVDistConnector",
-                              f"needs one KV cache group of full attention; this model has {len(groups)}")
-        spec = groups[0].kv_cache_spec
-        head_v = getattr(spec, "head_size_v", spec.head_size)
-        if head_v != spec.head_size:
-            raise ConfigError("kv_connector", "KVDistConnector",
-                              f"needs K and V of one size (head_size {spec.head_size}, head_size_v {head_v})")
-        return cls(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size,
-                   str(spec.dtype).removeprefix("torch."), spec.block_size)
+def layout_of(kv_cache_config: KVCacheConfig) -> KVLayout:
+    """One worker's KV as vLLM allocates it (the ``model:`` section kvdist needs), from
+    vLLM's KV cache config: one group of full-attention layers."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError("kv_connector", "KVDistConnector",
+                          f"needs one KV cache group of full attention; this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    head_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_v != spec.head_size:
+        raise ConfigError("kv_connector", "KVDistConnector",
+                          f"needs K and V of one size (head_size {spec.head_size}, head_size_v {head_v})")
+    return KVLayout(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size,
+                    str(spec.dtype).removeprefix("torch."), spec.block_size)
 
 
-def kvdist_config(path: str | os.PathLike | None, geometry: Geometry) -> CacheConfig:
+def kvdist_config(path: str | os.PathLike | None, layout: KVLayout) -> CacheConfig:
     """The user's file with ``model:``, ``cache.tokens_per_block`` and ``cache.gpu:
     external`` from vLLM. A value the file gives for one of those must agree with
     vLLM's, else ConfigError naming it."""
@@ -64,7 +54,7 @@ def kvdist_config(path: str | os.PathLike | None, geometry: Geometry) -> CacheCo
         raise ConfigError(_KEY, str(path), f"not valid YAML: {e}".replace("\n", " ")) from None
     if not isinstance(data, dict):
         raise ConfigError(_KEY, str(path), "the config must be a mapping")
-    g = geometry
+    g = layout
     model = {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
              "dtype": g.dtype}
     cache = {"tokens_per_block": g.tokens_per_block, "gpu": "external"}
