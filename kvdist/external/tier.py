@@ -44,6 +44,16 @@ def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view's bytes as 8-byte elements where its strides allow (every piece a
+    multiple of 8 bytes at an 8-byte boundary): the indexing kernels of ``gather`` and
+    ``scatter`` then move a word, not a byte, a thread."""
+    if t.shape[-1] % 8 or t.stride(-1) != 1 or t.storage_offset() % 8 or \
+            any(s % 8 for s in t.stride()[:-1]):
+        return t
+    return t.view(torch.int64)
+
+
 class ExternalGpuTier:
     """The engine's KV tensors as kvdist's GPU tier (see the module docstring).
     ``pieces(layer)`` is a ``[per_layer, num_blocks, piece_bytes]`` uint8 view of a
@@ -140,23 +150,23 @@ class ExternalGpuTier:
         """``rows[at[i]]``'s ``layers`` (kvdist block bytes) <- the pieces of engine block
         ``blocks[i]`` (index tensors on the rows' device; one kernel a layer, or one in
         all when the layers are stacked)."""
-        out = self.rows_view(rows)
+        out = _wide(self.rows_view(rows))
         if self._stacked is not None:
             a, b = layers.start, layers.stop
-            out[at, a:b] = self._stacked[a:b][:, :, blocks].permute(2, 0, 1, 3)
+            out[at, a:b] = _wide(self._stacked[a:b])[:, :, blocks].permute(2, 0, 1, 3)
             return
         for layer in layers:
-            out[at, layer] = self._views[layer][:, blocks].transpose(0, 1)
+            out[at, layer] = _wide(self._views[layer])[:, blocks].transpose(0, 1)
 
     def scatter(self, rows: torch.Tensor, blocks: torch.Tensor, layers: range) -> None:
         """The pieces of ``layers`` of engine block ``blocks[i]`` <- ``rows[i]``."""
-        src = self.rows_view(rows)
+        src = _wide(self.rows_view(rows))
         if self._stacked is not None:
             a, b = layers.start, layers.stop
-            self._stacked[a:b][:, :, blocks] = src[:, a:b].permute(1, 2, 0, 3)
+            _wide(self._stacked[a:b])[:, :, blocks] = src[:, a:b].permute(1, 2, 0, 3)
             return
         for layer in layers:
-            self._views[layer][:, blocks] = src[:, layer].transpose(0, 1)
+            _wide(self._views[layer])[:, blocks] = src[:, layer].transpose(0, 1)
 
     @staticmethod
     def _bytes(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
