@@ -12,12 +12,18 @@ Per engine step (docs/design.md, "An engine-owned GPU tier"):
   stream is made to wait for the loads alone, layer by layer (S5); saves run behind
   the forward pass.
 * ``wait_layer(layer)``, before attention reads ``layer``: S5 for that layer's group.
+* ``save(transfers)``, once the forward pass is queued: copies out of the blocks it
+  computed, after the compute stream's work so far (S4); nothing waits for them.
 * ``finished()``: the requests whose loads or saves have completed since the last call;
-  ``failed_blocks()``: engine block ids whose loads failed (the engine recomputes them).
+  ``saving()`` those with saves still in flight; ``failed_blocks()``: engine block ids
+  whose loads failed (the engine recomputes them); ``fence(requests)`` when the engine
+  freed blocks a save may still read (the compute stream waits for those saves).
 
-Who holds what: while a request's load or save is in flight, its engine blocks belong
-to the transfer: the engine must neither free, reuse nor read them (the connector holds
-them until ``finished`` names the request). kvdist's own slots need no holding: their
+Who holds what: while a request's load is in flight, its engine blocks belong to the
+transfer: the engine must neither free, reuse nor read them. While a save is in flight
+the engine may read its blocks but must neither free nor write them (a finished
+request's blocks are held until ``finished`` names it; a preempted one's are fenced).
+kvdist's own slots need no holding: their
 reuse is ordered after every copy reading them (S2)."""
 
 from __future__ import annotations
@@ -146,10 +152,26 @@ class ExternalCache:
     def start(self, transfers: Transfers) -> None:
         """Issue the planner's copies in their order (see the module docstring); the
         compute stream then waits for the loads among them, layer by layer."""
+        loads = self._issue(transfers)
+        if "S5" in self._engine.rules:
+            self._executor.compute_wait(loads, layered=self._executor.layered)
+
+    def save(self, transfers: Transfers) -> None:
+        """Issue copies out of blocks the forward pass just computed, once its work is
+        queued (the end of the engine's step): each waits for the compute stream's
+        work so far (S4), none is waited for by the compute stream or the host (they
+        run behind the next steps; ``finished`` reports them). Loads among them are
+        not waited for either: give loads to ``start``."""
+        self._issue(transfers)
+
+    def _issue(self, transfers: Transfers) -> list:
+        """Issue ``transfers`` in their order, after the compute stream's work so far
+        for every engine block they touch (S4); the events of their loads."""
         gpu = self._registered()
-        if transfers.tiers != self.tier_plan:
-            raise KVDistError(f"the planner numbers slots for {transfers.tiers}, but the ranks committed "
-                              f"{self.tier_plan}: build ExternalPlanner with the workers' tier_plan")
+        t, mine = transfers.tiers, self.tier_plan
+        if t.host_blocks > mine.host_blocks or t.disk_blocks > mine.disk_blocks:
+            raise KVDistError(f"the planner numbers slots for {t}, but this rank committed {mine}: build "
+                              f"ExternalPlanner with the workers' tier_plan (ExternalPlanner.adopt)")
         engine = self._engine
         base = engine.space.base
         routes = transfers.routes()
@@ -182,8 +204,7 @@ class ExternalCache:
             if jb.kind == LOAD:
                 self._failed.update(jb.failed)
                 loads.extend(events)
-        if "S5" in engine.rules:
-            self._executor.compute_wait(loads, layered=self._executor.layered)
+        return loads
 
     def _drill(self, transfers: Transfers) -> set[int]:
         """Fault drill ``external_load@rank``: this rank's loads fail (not issued; their
@@ -217,6 +238,19 @@ class ExternalCache:
             del self._inflight[key]
             out[key[0]].add(key[1])
         return Finished(frozenset(out[SAVE]), frozenset(out[LOAD]))
+
+    def saving(self) -> set:
+        """The requests with saves still in flight (as of the last ``finished``)."""
+        return {r for kind, r in self._inflight if kind == SAVE}
+
+    def fence(self, request_ids) -> None:
+        """The engine freed these requests' blocks (a preemption) and may write them in
+        its next forward pass: the compute stream waits for their saves still in flight
+        (S5 for the blocks a save reads; a load into them is ordered by S2)."""
+        self._registered()
+        events = [e for r in request_ids for e in self._inflight.get((SAVE, r), ())]
+        if events and "S5" in self._engine.rules:
+            self._executor.compute_wait(events)
 
     def failed_blocks(self) -> set[int]:
         """Engine block ids whose loads failed since the last call (recompute them)."""

@@ -28,6 +28,7 @@ from ..block_pool import BlockPool
 from ..blocks import DISK, HOST, NO_SLOT, BlockMeta, SlotSpace
 from ..config import CacheConfig, load_config
 from ..counters import CacheCounters
+from ..errors import HostTierUnavailable
 from ..eviction import DEFAULT_PRIORITY
 from ..layout import KVLayout
 from ..prefix import PrefixIndex, chain_hashes, token_bytes
@@ -72,19 +73,38 @@ class ExternalPlanner:
         assert cfg.cache.gpu == "external", "ExternalPlanner is for cache.gpu: external"
         self.layout = KVLayout.from_config(cfg)
         self.tpb = self.layout.tokens_per_block
-        self.tiers = tiers if tiers is not None else tier_plan(cfg)
-        self.space = SlotSpace((0, self.tiers.host_blocks, self.tiers.disk_blocks))
+        self.policy = RecomputePolicy(self.layout.bytes_per_block, self.tpb, cfg.cache.recompute_when_faster)
+        self._salt = self.layout.hash_salt()
+        self._rows: list[tuple[int, int, int, int]] = []
+        self._jobs: list[Job] = []
+        self._number(tiers if tiers is not None else tier_plan(cfg))
+
+    def _number(self, tiers: TierPlan) -> None:
+        """Slots, prefix index and pool over ``tiers`` (host ``[0, H)``, disk after)."""
+        self.tiers = tiers
+        self.space = SlotSpace((0, tiers.host_blocks, tiers.disk_blocks))
         assert self.space.total > 0, "kvdist keeps no tier: nothing to plan"
         self.meta = BlockMeta(self.space.total)
         self.index = PrefixIndex(self.space.total, self.meta)
-        self.policy = RecomputePolicy(self.layout.bytes_per_block, self.tpb, cfg.cache.recompute_when_faster)
         self.counters = CacheCounters()
-        self._rows: list[tuple[int, int, int, int]] = []
-        self._jobs: list[Job] = []
         self.pool = BlockPool(self.space, self.meta, self.index, _Recorder(self.space, self._rows),
                               self.policy, self.counters)
-        self._salt = self.layout.hash_salt()
-        self._save_tier = HOST if self.tiers.host_blocks else DISK
+        self._save_tier = HOST if tiers.host_blocks else DISK
+
+    def adopt(self, tiers: TierPlan) -> None:
+        """Number slots in the tiers the workers committed (``ExternalCache.tier_plan``;
+        after ``USE_NO_HOST`` there is no host tier), before anything is planned: the
+        engine hands them over at start-up. Raises HostTierUnavailable when that leaves
+        kvdist no tier."""
+        if tiers == self.tiers:
+            return
+        assert not self._rows and not self._jobs and all(
+            self.pool.free_count(t) == self.space.capacity[t] for t in (HOST, DISK)), \
+            "adopt the workers' tiers before planning"
+        if not tiers.host_blocks and not tiers.disk_blocks:
+            raise HostTierUnavailable(f"the host tier could not be had on some worker ({tiers}) and no disk "
+                                      f"tier is configured (cache.disk): kvdist keeps no tier")
+        self._number(tiers)
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt(self, tokens: Sequence[int]) -> Prompt:

@@ -142,13 +142,17 @@ class Engine:
                  tp: int = 1):
         self.config = config
         kcc = kv_cache_config(num_blocks, layout, tp)
-        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kcc, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(config),
-                                   block_size=BLOCK)
+        # vLLM's EngineCore: the workers register their KV caches, then the scheduler is
+        # built and gets every worker's handshake metadata (_set_kv_connector_handshake_metadata)
         self.workers = [KVDistConnector(config, KVConnectorRole.WORKER, kcc) for _ in range(tp)]
         self.kvs = [allocate_kv_cache(kcc, torch.device("cpu"), layout) for _ in range(tp)]
         for worker, kv in zip(self.workers, self.kvs):
             worker.register_kv_caches(kv)
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kcc, log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(config),
+                                   block_size=BLOCK)
+        self.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, rank): w.get_handshake_metadata() for rank, w in enumerate(self.workers)})
         self.aggregator = KVOutputAggregator(tp)
         self.token = 100
 
@@ -193,6 +197,7 @@ class Engine:
         outputs = []
         for rank, worker in enumerate(self.workers):
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what ensure_kv_transfer_initialized sets
+            worker.handle_preemptions(out.kv_connector_metadata)  # GPUModelRunner.execute_model
             with set_forward_context(None, self.config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv:
                 if out.total_num_scheduled_tokens:

@@ -68,9 +68,11 @@ def engine(model, tmp_path):
         e.close()
 
 
-def rows(step) -> list[tuple[str, list[int], list[int]]]:
-    """The step's planned copies as (route, sources, destinations), grouped by route in order."""
-    t = step.out.kv_connector_metadata.transfers
+def rows(step, part: str = "transfers") -> list[tuple[str, list[int], list[int]]]:
+    """The step's planned copies as (route, sources, destinations), grouped by route in
+    order: its loads (``transfers``, issued by start_load_kv) or its saves (``saves``,
+    issued by wait_for_save)."""
+    t = getattr(step.out.kv_connector_metadata, part)
     out: list[tuple[str, list[int], list[int]]] = []
     for route, s, d in zip(t.routes(), t.src.tolist(), t.dst.tolist()):
         if out and out[-1][0] == route.name:
@@ -89,14 +91,17 @@ def save_a(e: Engine) -> list[int]:
     assert s1.out.num_scheduled_tokens == {"a": len(PROMPT)}
     a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
     assert len(a_blocks) == 4
-    # a finished in step 1; request_finished planned its save and vLLM keeps its blocks
-    assert e.scheduler.requests["a"].status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert e.connector.planner.stats()["blocks_used"] == {e.tier: 3}
-    s2 = e.step()
-    assert s2.out.num_scheduled_tokens == {}
+    # the 3 blocks a's forward completes are saved behind that forward, in step 1
     route = OFFLOAD.name if e.tier == "host" else SPILL.name
-    assert rows(s2) == [(route, a_blocks[:3], [0, 1, 2])]
-    assert s2.out.kv_connector_metadata.transfers.jobs == (Job("a", "save", tuple(a_blocks[:3])),)
+    assert rows(s1) == [] and rows(s1, "saves") == [(route, a_blocks[:3], [0, 1, 2])]
+    assert s1.out.kv_connector_metadata.saves.jobs == (Job("a", "save", tuple(a_blocks[:3])),)
+    assert e.connector.planner.stats()["blocks_used"] == {e.tier: 3}
+    # a finished in step 1 with saves planned: vLLM keeps its blocks until the workers say
+    assert e.scheduler.requests["a"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert not s1.kv.finished_sending and e.connector.saving() == {"a"}
+    s2 = e.step()
+    assert s2.out.num_scheduled_tokens == {} and rows(s2) == rows(s2, "saves") == []
+    assert s2.out.kv_connector_metadata.held == {"a"}
     assert s2.kv.finished_sending == {"a"}
     assert "a" not in e.scheduler.requests  # freed once the workers said the save finished
     assert e.scheduler.reset_prefix_cache()
@@ -218,8 +223,8 @@ def test_a_request_finished_before_its_save_completes_keeps_its_blocks_until_the
     e.add(request("a", PROMPT))
     s1 = e.step()
     a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
+    assert rows(s1, "saves") == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
     s2 = e.step()
-    assert rows(s2) == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
     assert not s2.kv.finished_sending
     s3 = e.step()
     assert not s3.kv.finished_sending
@@ -238,13 +243,16 @@ def test_a_cache_salt_keeps_tenants_apart(engine):
     salt (or LoRA adapter, or multimodal input) are other blocks."""
     e = engine()
     e.add(request("s", PROMPT, cache_salt="tenant-1"))
-    s_blocks = list(e.step().out.scheduled_new_reqs[0].block_ids[0])
-    assert rows(e.step()) == [(OFFLOAD.name, s_blocks[:3], [0, 1, 2])]
+    s = e.step()
+    s_blocks = list(s.out.scheduled_new_reqs[0].block_ids[0])
+    assert rows(s, "saves") == [(OFFLOAD.name, s_blocks[:3], [0, 1, 2])]
+    assert e.step().kv.finished_sending == {"s"}
     assert e.scheduler.reset_prefix_cache()
     e.add(request("u", PROMPT[:3 * BLOCK] + TAIL))  # no salt: kvdist holds none of its blocks
     s = e.step()
     assert s.out.num_scheduled_tokens == {"u": 3 * BLOCK + len(TAIL)} and rows(s) == []
-    e.step()  # u's blocks saved under its own keys
+    assert rows(s, "saves") == [(OFFLOAD.name, list(s.out.scheduled_new_reqs[0].block_ids[0][:3]), [3, 4, 5])]
+    e.step()  # u's blocks saved under its own keys; vLLM frees them
     assert e.scheduler.reset_prefix_cache()
     t = e.add(request("t", PROMPT[:3 * BLOCK] + TAIL, cache_salt="tenant-1"))
     s = e.step()
@@ -287,9 +295,11 @@ def test_tp_workers_load_their_own_heads_and_a_save_holds_until_every_worker_fin
     request's blocks only once both workers finished its save."""
     e = engine(tp=2, simulate_async="true")
     e.add(request("a", PROMPT))
-    a_blocks = list(e.step().out.scheduled_new_reqs[0].block_ids[0])
+    s1 = e.step()
+    a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
+    assert rows(s1, "saves") == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
     s2 = e.step()
-    assert rows(s2) == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
+    assert not s2.kv.finished_sending
     e.workers[0].kvdist.synchronize()  # worker 0's copy of its heads runs; worker 1's does not
     s3 = e.step()
     assert [w.finished_sending for w in s3.per_worker] == [{"a"}, set()] and not s3.kv.finished_sending

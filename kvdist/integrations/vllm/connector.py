@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -31,7 +32,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from ...errors import ConfigError
 from ...external import ExternalCache, ExternalPlanner
-from .plan import KVDistConnectorMetadata
+from .plan import KVDistConnectorMetadata, KVDistHandshake
 from .scheduler import SchedulerSide
 from .settings import kvdist_config, layout_of
 from .worker import WorkerSide
@@ -91,6 +92,15 @@ class KVDistConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._w.register_kv_caches(kv_caches)
 
+    def get_handshake_metadata(self) -> KVDistHandshake:
+        """The tiers this worker's ranks committed, for the scheduler's planner."""
+        return self._w.handshake()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVDistConnectorMetadata), \
+            f"unexpected metadata {type(kv_connector_metadata).__name__}"
+        self._w.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._w.start_load_kv(self._meta())
 
@@ -99,13 +109,14 @@ class KVDistConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """No copy per layer: kvdist saves whole blocks of finished requests, issued by
-        ``start_load_kv``; the last layer's call times the forward (worker module docstring)."""
+        """No copy per layer: kvdist saves whole blocks at ``wait_for_save``; the last
+        layer's call times the forward (worker module docstring)."""
         self._w.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: vLLM keeps a save's blocks until ``get_finished`` names
-        its request."""
+        """Issue the step's saves behind the forward; waits for none of them (vLLM keeps
+        a finished request's blocks until ``get_finished`` names it)."""
+        self._w.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         saved, loaded = self._w.get_finished(self._meta())
@@ -130,8 +141,18 @@ class KVDistConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         self._s.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        self._s.on_new_request(request)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._s.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
+        return self._s.build_connector_meta(scheduler_output)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Every worker's committed tiers (``get_handshake_metadata``), which vLLM hands
+        over after the workers registered their KV caches and before the first step."""
+        for rank, meta in metadata.items():
+            assert isinstance(meta, KVDistHandshake), f"worker {rank}: unexpected {type(meta).__name__}"
+        self._s.adopt(metadata)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._s.update_connector_output(connector_output)

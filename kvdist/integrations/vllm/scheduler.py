@@ -1,14 +1,27 @@
 """The scheduler-side half of the connector (vLLM's scheduler process), over kvdist's
 ``ExternalPlanner``: how many tokens beyond vLLM's own GPU hit kvdist holds, loads
-planned into the block ids vLLM allocated, saves planned when a request finishes, the
-plan shipped to the workers each step. No tensors, no MPI: the planner decides for every
-worker (rule R1 by construction) and the workers replay its copies in order.
+planned into the block ids vLLM allocated, saves planned as the forward computes each
+block, the plan shipped to the workers each step. No tensors, no MPI: the planner
+decides for every worker (rule R1 by construction) and the workers replay its copies in
+order.
 
-State, keyed by vLLM request id: ``_hits`` the block vLLM's own hit ends at, remembered
-by ``get_num_new_matched_tokens`` until ``update_state_after_alloc``; ``_async`` the
-asynchronous loads of the step being scheduled; ``_saving`` the requests whose blocks vLLM
-keeps for a save in flight (until the workers report them in ``finished_sending``):
-``saving()``.
+Saves are eager: each step's metadata carries the saves of the full blocks that step's
+forward completes (``build_connector_meta``), which the workers issue at
+``wait_for_save``, behind the forward. A request that finishes with any save planned is
+held (``request_finished`` returns True) until every worker reports its saves landed
+(``finished_sending``); one preempted with saves planned is named to the workers, whose
+next forward waits for those saves before it may write the freed blocks.
+
+State, keyed by vLLM request id: ``_requests`` the live requests (``on_new_request`` to
+``request_finished``); ``_blocks`` their engine block ids and ``_upto`` how many of their
+blocks were offered for saving, as the scheduler's outputs give them (``_loaded``: the
+blocks a load fills, never saved from the engine); ``_saved`` those
+with a save planned since they were last (re)scheduled from scratch; ``_hits`` the block
+vLLM's own hit ends at, remembered by ``get_num_new_matched_tokens`` until
+``update_state_after_alloc``; ``_async`` the asynchronous loads of the step being
+scheduled; ``_held`` / ``_preempted`` the requests to name in the next metadata;
+``_saving`` the requests whose blocks vLLM keeps for a save in flight (until the
+workers report them in ``finished_sending``): ``saving()``.
 
 Blocks are named by vLLM's own block hashes (``request.block_hashes``, chained, covering
 the LoRA adapter, the cache salt and multimodal inputs: ``ExternalPlanner.prompt_of_keys``),
@@ -18,13 +31,15 @@ from __future__ import annotations
 
 __all__ = ["SchedulerSide"]
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...external import ExternalPlanner, Prompt
-from .plan import KVDistConnectorMetadata, KVDistWorkerMetadata
+from ...external import ExternalPlanner, Prompt, TierPlan
+from .plan import KVDistConnectorMetadata, KVDistHandshake, KVDistWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -34,9 +49,26 @@ class SchedulerSide:
         self.planner = planner
         self.block_size = planner.tpb
         self.load_async = load_async
+        self._requests: dict[str, Request] = {}
+        self._blocks: dict[str, list[int]] = {}
+        self._upto: dict[str, int] = {}
+        self._saved: set[str] = set()
         self._hits: dict[str, int] = {}
+        self._loaded: dict[str, int] = {}
         self._async: set[str] = set()
+        self._held: set[str] = set()
+        self._preempted: set[str] = set()
         self._saving: set[str] = set()
+
+    def adopt(self, workers: Mapping[int, KVDistHandshake]) -> None:
+        """The tiers every worker committed at start-up (vLLM's handshake metadata, by
+        TP rank): the planner numbers its slots in the tiers all of them have."""
+        plans = [m.tiers for m in workers.values()]
+        if plans:
+            self.planner.adopt(TierPlan(min(p.host_blocks for p in plans), min(p.disk_blocks for p in plans)))
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvdist holds right after vLLM's block-aligned hit (never the whole
@@ -60,32 +92,77 @@ class SchedulerSide:
             f"{num_external_tokens} tokens are not whole blocks"
         engine_blocks = blocks.get_block_ids()[0][first:first + n]
         self.planner.plan_load(request.request_id, self._prompt(request), engine_blocks, hit)
+        self._loaded[request.request_id] = first + n  # loaded (or failed, then recomputed): not saved
         if self.load_async:
             self._async.add(request.request_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Plan the save of the request's full computed blocks that kvdist lacks. True
-        (vLLM keeps the blocks until the workers report the save finished) exactly when
-        a copy out of them was planned."""
-        self._hits.pop(request.request_id, None)
-        n = min(request.num_computed_tokens // self.block_size, len(block_ids), len(request.block_hashes))
-        computed = self.planner.prompt_of_keys(request.block_hashes[:n], n * self.block_size)
-        if n == 0 or self.planner.saveable(computed) == 0:
+        """True (vLLM keeps the blocks until the workers report the saves finished)
+        exactly when a save out of the request's blocks was planned: its last ones may
+        still be in flight."""
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        self._loaded.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._blocks.pop(rid, None)
+        self._upto.pop(rid, None)
+        self._preempted.discard(rid)
+        if rid not in self._saved:
             return False, None
-        plan = self.planner.plan_save(request.request_id, computed, block_ids[:n])
-        if not plan.blocks:
-            return False, None
-        self._saving.add(request.request_id)
+        self._saved.discard(rid)
+        self._held.add(rid)
+        self._saving.add(rid)
         return True, None
 
     def _prompt(self, request: Request) -> Prompt:
         return self.planner.prompt_of_keys(request.block_hashes, request.num_tokens)
 
-    def build_connector_meta(self, computed_tokens: int) -> KVDistConnectorMetadata:
-        """The step's plan; ``computed_tokens``: what its forward computes."""
-        meta = KVDistConnectorMetadata(self.planner.take(), frozenset(self._async), computed_tokens)
+    def build_connector_meta(self, out: SchedulerOutput) -> KVDistConnectorMetadata:
+        """The step's plan: the loads planned while scheduling it, then the saves of the
+        full blocks its forward completes (issued behind the forward)."""
+        loads = self.planner.take()
+        for rid in out.preempted_req_ids or ():
+            self._blocks.pop(rid, None)
+            self._upto.pop(rid, None)
+            if rid in self._saved:  # its blocks are free: the forward waits for its saves
+                self._preempted.add(rid)
+                self._saved.discard(rid)
+        for new in out.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            self._upto[new.req_id] = self._loaded.pop(new.req_id, 0)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self._blocks[rid], self._upto[rid] = list(ids[0]) if ids else [], 0
+            elif ids:
+                self._blocks.setdefault(rid, []).extend(ids[0])
+        for rid, n in out.num_scheduled_tokens.items():
+            self._plan_saves(rid, n - len(out.scheduled_spec_decode_tokens.get(rid, ())))
+        meta = KVDistConnectorMetadata(loads, self.planner.take(), frozenset(self._async), frozenset(self._held),
+                                       frozenset(self._preempted), out.total_num_scheduled_tokens)
         self._async.clear()
+        self._held.clear()
+        self._preempted.clear()
         return meta
+
+    def _plan_saves(self, rid: str, computed: int) -> None:
+        """Saves of request ``rid``'s blocks that are full once the forward has computed
+        ``computed`` more tokens (draft tokens left out: they may be rejected)."""
+        request, blocks = self._requests.get(rid), self._blocks.get(rid)
+        if request is None or blocks is None:
+            return
+        full = min((request.num_computed_tokens + computed) // self.block_size, len(request.block_hashes),
+                   len(blocks))
+        first = self._upto.get(rid, 0)
+        if full <= first:
+            return
+        self._upto[rid] = full
+        keys = self.planner.prompt_of_keys(request.block_hashes[:full], full * self.block_size)
+        if self.planner.saveable(keys, first) == 0:
+            return
+        if self.planner.plan_save(rid, keys, blocks[first:full], first).blocks:
+            self._saved.add(rid)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The workers' report of a step: saves finished, and their figures (MIN over the

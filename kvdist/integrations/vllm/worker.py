@@ -3,26 +3,33 @@ this worker's KV heads), over kvdist's ``ExternalCache``:
 
   register_kv_caches   kvdist's tiers built (the start-up consensus) and vLLM's tensors
                        registered;
-  start_load_kv        the step's copies issued in the planner's order: loads, then the
-                       saves behind them (S4: after the compute queued so far);
+  handshake            the tiers the ranks committed, for the scheduler's planner
+                       (vLLM's handshake metadata: ``get_handshake_metadata``);
+  handle_preemptions   before the forward: it waits for the saves still reading blocks
+                       vLLM freed by preempting their request (``ExternalCache.fence``);
+  start_load_kv        the step's loads issued in the planner's order (S4: after the
+                       compute queued so far), the compute stream waiting for them
+                       layer by layer;
   wait_for_layer_load  the layer's share of the loads waited for (S5 per layer);
-  save_kv_layer        no copy: kvdist saves whole blocks of finished requests, issued by
-                       ``start_load_kv``, which vLLM calls after submitting the forward
-                       when the step has no synchronous load (off the critical path);
-                       the last layer's call ends the forward's clock (``ForwardClock``);
-  wait_for_save        nothing to wait for: a save's blocks stay vLLM's held blocks until
-                       ``get_finished`` names its request;
-  get_finished         saves and asynchronous loads whose copies all completed; the
-                       step's prefill figure for the recompute policy;
+  save_kv_layer        no copy; the last layer's call ends the forward's clock
+                       (``ForwardClock``);
+  wait_for_save        the step's saves (the blocks its forward completed) issued behind
+                       the forward, which vLLM has queued by then (S4); nothing waits
+                       for them: a finished request's blocks stay vLLM's held blocks
+                       until ``get_finished`` names it;
+  get_finished         held requests whose saves all landed, and asynchronous loads
+                       whose copies all completed; the step's prefill figure for the
+                       recompute policy;
   report               this rank's recompute-policy figures, for the planner;
   get_block_ids_with_load_errors  engine blocks whose bytes kvdist did not load.
 
-Invariant: the asynchronous loads named in ``_async`` are exactly those in flight whose
+Invariants: the asynchronous loads named in ``_async`` are exactly those in flight whose
 completion vLLM waits for in ``finished_recving``; a synchronous load is never reported
 there (vLLM accepts only requests that wait for it). Every asynchronous load has copies or
 failed blocks to report, so ``finished`` names it: vLLM asks ``get_num_new_matched_tokens``
 and ``update_state_after_alloc`` in one scheduling pass, in which the planner loses no
-block (only ``plan_save``, at ``request_finished``, evicts)."""
+block. ``_held`` are the requests vLLM holds for their saves (the metadata's ``held``) not
+yet reported: only those may be named in ``finished_sending`` (vLLM frees their blocks)."""
 
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import torch
 from ...config import CacheConfig
 from ...external import ExternalCache, create
 from .forward_clock import ForwardClock
-from .plan import KVDistConnectorMetadata, KVDistWorkerMetadata
+from .plan import KVDistConnectorMetadata, KVDistHandshake, KVDistWorkerMetadata
 
 
 class WorkerSide:
@@ -44,6 +51,7 @@ class WorkerSide:
         self._cache: ExternalCache | None = None
         self._layer: dict[str, int] = {}
         self._async: set[str] = set()
+        self._held: set[str] = set()
         self._clock: ForwardClock | None = None
 
     @property
@@ -66,9 +74,21 @@ class WorkerSide:
         self._layer = {name: i for i, name in enumerate(kv_caches)}
         self._clock = ForwardClock(device)
 
+    def handshake(self) -> KVDistHandshake:
+        return KVDistHandshake(self.cache.tier_plan, self.cache.init_status.name)
+
+    def handle_preemptions(self, meta: KVDistConnectorMetadata) -> None:
+        if meta.preempted:
+            self.cache.fence(meta.preempted)
+
     def start_load_kv(self, meta: KVDistConnectorMetadata) -> None:
         self.cache.start(meta.transfers)
         self._async |= meta.async_loads
+        self._held |= meta.held
+
+    def wait_for_save(self, meta: KVDistConnectorMetadata) -> None:
+        if len(meta.saves):
+            self.cache.save(meta.saves)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer.get(layer_name)
@@ -89,7 +109,9 @@ class WorkerSide:
         done = self.cache.finished()
         loaded = self._async & done.loaded
         self._async -= loaded
-        return set(done.saved), loaded
+        saved = self._held - self.cache.saving()
+        self._held -= saved
+        return saved, loaded
 
     def load_errors(self) -> set[int]:
         return self.cache.failed_blocks()
