@@ -238,6 +238,49 @@ def test_a_request_finished_before_its_save_completes_keeps_its_blocks_until_the
     assert [pool.blocks[i].ref_cnt for i in a_blocks] == [0, 0, 0, 0]
 
 
+def test_a_steps_saves_are_issued_behind_its_forward_and_never_waited_for(engine):
+    """The saves of the blocks a step's forward completes are issued by that step's
+    wait_for_save (not the next step's start_load_kv), which returns with them still
+    queued; get_finished names the request once they landed, in the step after."""
+    e = engine(simulate_async="true")  # copies run only when something waits for them
+    e.add(request("a", PROMPT))
+    s1 = e.step()
+    a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
+    assert rows(s1, "saves") == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
+    cache = e.worker.kvdist
+    assert cache.stats()["blocks_moved"] == {OFFLOAD.name: 3}  # issued in step 1
+    assert cache.executor.queued() == 1 and cache.saving() == {"a"}  # and not waited for
+    assert not s1.kv.finished_sending
+    cache.synchronize()  # the save lands
+    s2 = e.step()
+    assert s2.kv.finished_sending == {"a"} and cache.stats()["blocks_moved"] == {OFFLOAD.name: 3}
+
+
+def test_a_save_in_a_step_with_a_synchronous_load_copies_what_the_forward_wrote(engine):
+    """vLLM calls start_load_kv before the forward when the step has a synchronous load:
+    request c's blocks, computed by that forward, are saved with the bytes it wrote
+    (they are read back into d's blocks, layer by layer)."""
+    e = engine()
+    save_a(e)
+    other = [200 - t for t in range(2 * BLOCK + 3)]  # 2 full blocks and 3 tokens
+    e.add(request("b", PROMPT[:3 * BLOCK] + TAIL))
+    c = e.add(request("c", other))
+    s3 = e.step()
+    assert s3.out.scheduled_cached_reqs.num_reqs == 0 and s3.out.has_sync_kv_loads
+    assert s3.out.num_scheduled_tokens == {"b": len(TAIL), "c": len(other)}
+    c_blocks = e.blocks("c")
+    assert rows(s3, "saves") == [(OFFLOAD.name, c_blocks[:2], [3, 4])]
+    assert e.step().kv.finished_sending == {"c"}  # b saved nothing: freed at once
+    assert e.scheduler.reset_prefix_cache()
+    d = e.add(request("d", other[:2 * BLOCK] + TAIL))
+    s5 = e.step()
+    assert s5.out.num_scheduled_tokens == {"d": len(TAIL)}
+    assert rows(s5) == [(ONBOARD.name, [3, 4], list(s5.out.scheduled_new_reqs[0].block_ids[0][:2]))]
+    for layer in range(len(LAYERS)):
+        assert s5.heads("read", "d", layer)[:2].equal(expected(layer, c.all_token_ids, 0, 2))
+        assert s5.heads("read", "d", layer)[:2].equal(expected(layer, d.all_token_ids, 0, 2))
+
+
 def test_a_cache_salt_keeps_tenants_apart(engine):
     """kvdist names blocks by vLLM's block hashes: the same tokens under another cache
     salt (or LoRA adapter, or multimodal input) are other blocks."""

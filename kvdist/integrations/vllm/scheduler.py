@@ -139,8 +139,9 @@ class SchedulerSide:
                 self._blocks.setdefault(rid, []).extend(ids[0])
         for rid, n in out.num_scheduled_tokens.items():
             self._plan_saves(rid, n - len(out.scheduled_spec_decode_tokens.get(rid, ())))
-        meta = KVDistConnectorMetadata(loads, self.planner.take(), frozenset(self._async), frozenset(self._held),
-                                       frozenset(self._preempted), out.total_num_scheduled_tokens)
+        meta = KVDistConnectorMetadata(loads, self.planner.take(), frozenset(self._async),
+                                       frozenset(self._held), frozenset(self._preempted),
+                                       out.total_num_scheduled_tokens)
         self._async.clear()
         self._held.clear()
         self._preempted.clear()
