@@ -87,8 +87,15 @@ $(VLLM_STAMP): tests/vllm/requirements.txt pyproject.toml
 	  || { echo "could not build $(VLLM_VENV): see $(VLLM_LOG)"; tail -3 $(VLLM_LOG); exit 1; }
 	@touch $@
 
+# MPICH and mpi4py in .venv-vllm: the TP workers as separate MPI processes (tests/vllm/tp_ranks.py).
+VLLM_MPI := $(VLLM_VENV)/.kvdist-vllm-mpi
+$(VLLM_MPI): $(VLLM_STAMP)
+	@$(VLLM_VENV)/bin/pip install -q mpich mpi4py >> $(VLLM_LOG) 2>&1 \
+	  || { echo "could not install mpich and mpi4py into $(VLLM_VENV): see $(VLLM_LOG)"; exit 1; }
+	@touch $@
+
 vllm: $(STAMP)
-	@if $(MAKE) --no-print-directory $(VLLM_STAMP); then \
+	@if $(MAKE) --no-print-directory $(VLLM_MPI); then \
 	    $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm; \
 	elif [ -n "$$CI" ]; then exit 1; \
 	else KVDIST_VLLM_SKIP="$(VLLM_VENV) could not be built (see $(VLLM_LOG))" \

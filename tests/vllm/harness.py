@@ -139,21 +139,26 @@ class Step:
 
 class Engine:
     def __init__(self, config: VllmConfig, num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LBNHC,
-                 tp: int = 1):
+                 tp: int = 1, ranks: list[int] | None = None):
+        """``ranks``: the TP workers this process runs (all ``tp`` by default; one, under
+        mpiexec, where each MPI rank is one worker with a scheduler of its own, as vLLM's
+        ``external_launcher`` runs them)."""
         self.config = config
+        self.tp = tp
+        self.ranks = list(range(tp)) if ranks is None else list(ranks)
         kcc = kv_cache_config(num_blocks, layout, tp)
         # vLLM's EngineCore: the workers register their KV caches, then the scheduler is
         # built and gets every worker's handshake metadata (_set_kv_connector_handshake_metadata)
-        self.workers = [KVDistConnector(config, KVConnectorRole.WORKER, kcc) for _ in range(tp)]
-        self.kvs = [allocate_kv_cache(kcc, torch.device("cpu"), layout) for _ in range(tp)]
+        self.workers = [KVDistConnector(config, KVConnectorRole.WORKER, kcc) for _ in self.ranks]
+        self.kvs = [allocate_kv_cache(kcc, torch.device("cpu"), layout) for _ in self.ranks]
         for worker, kv in zip(self.workers, self.kvs):
             worker.register_kv_caches(kv)
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kcc, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(config),
                                    block_size=BLOCK)
         self.connector.set_xfer_handshake_metadata_pp_aware(
-            {(0, rank): w.get_handshake_metadata() for rank, w in enumerate(self.workers)})
-        self.aggregator = KVOutputAggregator(tp)
+            {(0, rank): w.get_handshake_metadata() for rank, w in zip(self.ranks, self.workers)})
+        self.aggregator = KVOutputAggregator(len(self.ranks))
         self.token = 100
 
     @property
@@ -195,13 +200,13 @@ class Engine:
         ids = list(sampled)
         step = Step(out, KVConnectorOutput())
         outputs = []
-        for rank, worker in enumerate(self.workers):
+        for i, worker in enumerate(self.workers):
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what ensure_kv_transfer_initialized sets
             worker.handle_preemptions(out.kv_connector_metadata)  # GPUModelRunner.execute_model
             with set_forward_context(None, self.config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv:
                 if out.total_num_scheduled_tokens:
-                    self._forward(step, rank)
+                    self._forward(step, i)
             step.per_worker.append(kv)
             index = {r: i for i, r in enumerate(ids)}
             outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index=index, kv_connector_output=kv,
@@ -215,12 +220,12 @@ class Engine:
         self.token += 1
         return self.token % 200
 
-    def _forward(self, step: Step, rank: int) -> None:
-        """Worker ``rank``'s forward: per layer, wait for its loads, read what the
-        scheduled requests' blocks hold (its heads), write the K/V of its heads for the
-        tokens computed now, then offer the layer for saving."""
-        worker, kvs = self.workers[rank], self.kvs[rank]
-        heads = HEADS // len(self.workers)
+    def _forward(self, step: Step, i: int) -> None:
+        """This process's worker ``i``'s forward: per layer, wait for its loads, read what
+        the scheduled requests' blocks hold (its heads), write the K/V of its heads for
+        the tokens computed now, then offer the layer for saving."""
+        worker, kvs, rank = self.workers[i], self.kvs[i], self.ranks[i]
+        heads = HEADS // self.tp
         mine = slice(rank * heads, (rank + 1) * heads)
         for layer, name in enumerate(LAYERS):
             view = kvs[name]  # [B, H, N, C]
