@@ -74,7 +74,8 @@ class ExternalCudaExecutor(CudaExecutor):
         return self.gpu.rows if self.gather == "rows" else self.gpu
 
     def stats(self) -> dict[str, object]:
-        return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked}
+        return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked,
+                "one_kernel": self.gpu.one_kernel}
 
     def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
                    span: tuple[int, int] | None = None, **chunks: int) -> None:
@@ -149,7 +150,7 @@ class ExternalCudaExecutor(CudaExecutor):
                 if free[h] is not None:
                     side.wait_event(free[h])  # the copy of chunk c - 2 has read this half
                 with self._on(side):
-                    self.gpu.gather(idx, buf, layers, at=torch.arange(n, device=self.device))
+                    self.gpu.stage_out(idx, buf[:n], layers)
                 st.wait_event(self._record(side))
                 self.copier.copy(st, part(buf), part(rows), here, a, dst_chunk=chunk)
                 free[h] = self._record(st)
