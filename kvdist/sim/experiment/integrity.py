@@ -199,24 +199,27 @@ class BlockLedger:
             out[lo:hi] = (words[lo:hi].to(torch.int64) * self._token_weights[pos[lo:hi]]).sum(dim=1)
         return out
 
-    def record_tokens(self, runs: list[tuple[Hashable, int, int, list[bytes]]], shares: list[int]) -> None:
+    def record_tokens(self, runs: list[tuple[Hashable, int, int, list[bytes]]], shares) -> None:
         """The reference digests of the blocks ``runs`` (``queue_written``'s, in the
         order they were queued; ``shares``: ``token_digests`` of their tokens end to end,
         on the host) completed; a block begun in an earlier run is carried over."""
+        shares = np.asarray(shares, dtype=np.int64)
         at = 0
         for seq_id, start, n, keys in runs:
-            acc = self._open.pop(seq_id, 0)
-            done = 0
-            for pos in range(start, start + n):
-                acc += shares[at]
-                at += 1
-                if (pos + 1) % self.tpb == 0:
-                    self._record_one(keys[done], _int64(acc))
-                    done += 1
-                    acc = 0
-            assert done == len(keys), "blocks completed out of step with their keys"
+            mine = shares[at: at + n]
+            at += n
+            cut = (-start) % self.tpb  # tokens that end the block begun before this run
+            edges = np.arange(min(cut, n), n, self.tpb) if cut else np.arange(0, n, self.tpb)
+            sums = (np.add.reduceat(mine, np.concatenate([[0], edges]) if cut else edges)
+                    if n else np.zeros(0, dtype=np.int64)).tolist()
+            if sums:
+                sums[0] = _int64(sums[0] + self._open.pop(seq_id, 0))
+            whole = sums[:len(sums) - bool((start + n) % self.tpb)]
+            assert len(whole) == len(keys), "blocks completed out of step with their keys"
+            for key, d in zip(keys, whole):
+                self._record_one(key, d)
             if (start + n) % self.tpb:
-                self._open[seq_id] = acc
+                self._open[seq_id] = sums[-1]
             left = self._pending[seq_id] - 1
             if left:
                 self._pending[seq_id] = left
