@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvdist
-from kvdist.errors import ConfigError, KVDistError
+from kvdist.errors import ConfigError, HostTierUnavailable, KVDistError
 from kvdist.external import ExternalPlanner, Finished, LoadPlan, SavePlan, TierPlan, create
 
 from .external_kv import BLOCK_BYTES, L, T, block_bytes, config, snapshot, split_kv, vllm_kv
@@ -246,14 +246,20 @@ def test_mistakes_are_one_line_errors_naming_the_key(pair, tmp_path):
         worker.close()
 
 
-def test_a_planner_numbering_other_tiers_than_the_workers_is_refused(pair):
+def test_a_planner_numbering_more_slots_than_the_worker_committed_is_refused(pair):
+    """A planner numbering tiers beyond the worker's is refused; one using fewer slots
+    (the MIN over workers that committed different tiers) leaves the rest unused."""
     kv = vllm_kv(8)
     _, worker = pair(config(), kv)
-    other = ExternalPlanner(config(), TierPlan(host_blocks=4, disk_blocks=0))
+    other = ExternalPlanner(config(), TierPlan(host_blocks=16, disk_blocks=0))
     other.plan_save("a", PROMPT, [0])
-    with pytest.raises(KVDistError, match=r"TierPlan\(host_blocks=4.*committed TierPlan\(host_blocks=8"):
+    with pytest.raises(KVDistError, match=r"TierPlan\(host_blocks=16.*committed TierPlan\(host_blocks=8"):
         worker.start(other.take())
     assert worker.tier_plan == TierPlan(8, 0) and worker.tiers == ("host",)
+    fewer = ExternalPlanner(config(), TierPlan(host_blocks=4, disk_blocks=0))
+    fewer.plan_save("a", PROMPT, [0])
+    worker.start(fewer.take())
+    assert worker.stats()["blocks_moved"] == {"offload": 1}
     assert BLOCK_BYTES == kvdist.load_config(config()).model.num_layers * 2 * T * 2 * 4 * 2
     assert block_bytes(kv, 0, 0).numel() == BLOCK_BYTES // L
 
@@ -275,3 +281,19 @@ def test_the_workers_figures_feed_the_planners_cut(pair, tmp_path):
     planner.agree(figures)
     assert planner.lookup(PROMPT) == 0
     assert worker.stats()["blocks_moved"] == {"offload": 2, "onboard": 2}
+
+
+def test_the_planner_adopts_the_tiers_the_workers_committed(tmp_path):
+    """After USE_NO_HOST the workers have no host tier: the planner, told so before it
+    plans (vLLM's handshake), saves to disk; with no tier left it refuses, one line."""
+    cfg = config(host_blocks=8, disk_blocks=4, disk_path=str(tmp_path))
+    planner = ExternalPlanner(cfg)
+    assert planner.tiers == TierPlan(8, 4)
+    planner.adopt(TierPlan(0, 4))
+    assert planner.tiers == TierPlan(0, 4)
+    planner.plan_save("a", PROMPT, [3, 7])
+    t = planner.take()
+    assert [r.name for r in t.routes()] == ["spill", "spill"] and t.dst.tolist() == [0, 1]
+    assert planner.stats()["blocks_used"] == {"disk": 2}
+    with pytest.raises(HostTierUnavailable, match=r"no disk tier is configured \(cache.disk\)"):
+        ExternalPlanner(config()).adopt(TierPlan(0, 0))

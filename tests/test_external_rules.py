@@ -112,3 +112,29 @@ def test_s5_attention_reads_a_layer_only_after_its_load_landed(rules):
         assert not any(torch.equal(g, w) for g, w in zip(seen, want)), "S5 off and still right"
     worker.synchronize()
     worker.close()
+
+
+@pytest.mark.parametrize("rules", [ALL_RULES, ALL_RULES - {"S5"}], ids=["fence", "fence-off"])
+def test_a_fence_holds_the_forward_until_the_saves_of_blocks_freed_early_ran(rules):
+    """A save issued behind a step's forward (``save``) is still queued when the engine
+    frees its block early (a preempted request) and the next forward writes it: ``fence``
+    makes that forward wait for the save, which copies the bytes the block held."""
+    planner, worker, kv = _pair(rules)
+    want = _layers(kv, 0)
+    planner.plan_save("a", A, [0])
+    worker.save(planner.take())
+    assert worker.executor.queued() == L and worker.saving() == {"a"}  # a copy a layer group, none run
+    worker.fence(["a"])
+    for t in kv:  # the next forward writes engine block 0 (freed) ...
+        t[0] = 0
+    worker.synchronize()
+    planner.plan_load("r", A, [5])  # ... and what kvdist saved is loaded elsewhere
+    worker.start(planner.take())
+    worker.synchronize()
+    got = _layers(kv, 5)
+    if "S5" in rules:
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert worker.finished().saved == {"a"} and worker.saving() == set()
+    else:
+        assert not any(torch.equal(g, w) for g, w in zip(got, want)), "fence off and still right"
+    worker.close()
