@@ -127,9 +127,10 @@ class ExternalCache:
                 gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
                 gather=gather)
         elif simulate_async(self.config):
-            executor = SimExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log, groups=groups)
+            executor = SimExecutor(ExternalCopies(gpu, host, disk, self._failed.update), log=seams.batch_log,
+                                   groups=groups)
         else:
-            executor = SyncExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log)
+            executor = SyncExecutor(ExternalCopies(gpu, host, disk, self._failed.update), log=seams.batch_log)
         bpb = self.layout.bytes_per_block
         limits = {DEMOTE: max(1, DEMOTE_BATCH_BYTES // bpb), RELOAD: bounce_blocks(bpb),
                   SPILL: bounce_blocks(bpb)}
@@ -254,7 +255,8 @@ class ExternalCache:
 
     def failed_blocks(self) -> set[int]:
         """Engine block ids whose loads failed since the last call (recompute them)."""
-        out, self._failed = self._failed, set()
+        out = set(self._failed)
+        self._failed.clear()  # the set itself stays: the CPU copies add failed disk reads to it
         return out
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:

@@ -4,7 +4,10 @@ and disk tiers when every tier is CPU-addressable: the handlers the CPU executor
 ``kvdist.transfer.HostCopies``. A block moves as its pieces, one vectorized copy per
 layer (one in all when the engine's layers lie in one allocation): the engine's
 ``[pieces, blocks, bytes]`` view of a layer against the host rows seen as ``[block,
-layer, piece, bytes]`` (``ExternalGpuTier.gather``, ``scatter``)."""
+layer, piece, bytes]`` (``ExternalGpuTier.gather``, ``scatter``).
+
+A disk read that fails (an I/O error) leaves its engine blocks as they were and names
+them to ``on_failed``: the engine recomputes them (``ExternalCache.failed_blocks``)."""
 
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ __all__ = ["ExternalCopies"]
 class ExternalCopies:
     """Copies of every route with the engine's tensors as the GPU tier."""
 
-    def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None):
+    def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None,
+                 on_failed: Callable[[list[int]], None] | None = None):
         self.gpu, self.host, self.disk = gpu, host, disk
+        self._on_failed = on_failed
         self._cold = HostCopies(None, host, disk)  # demote and promote touch no GPU memory
         self._all = range(gpu.layout.num_layers)
         self._handlers: dict[Route, Callable[[list[int], list[int], range], None]] = {
@@ -61,5 +66,11 @@ class ExternalCopies:
 
     def _reload(self, src: list[int], dst: list[int], layers: range) -> None:
         rows = torch.empty((len(src), self.block_bytes), dtype=torch.uint8)
-        self.disk.read_blocks(src, list(rows))
+        try:
+            self.disk.read_blocks(src, list(rows))
+        except OSError:
+            if self._on_failed is None:
+                raise
+            self._on_failed(list(dst))
+            return
         self.gpu.scatter(rows, self._index(dst), layers)

@@ -10,6 +10,7 @@ kvdist's."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -23,6 +24,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvdist.errors import CacheClosedError, ConfigError  # noqa: E402
 from kvdist.external import Job  # noqa: E402
 from kvdist.integrations.vllm import KVDistConnector  # noqa: E402
+from kvdist.storage import DiskPool  # noqa: E402
 from kvdist.transfer import OFFLOAD, ONBOARD, RELOAD, SPILL  # noqa: E402
 
 from .harness import BLOCK, LAYERS, Engine, expected, model_config, request, vllm_config  # noqa: E402
@@ -192,6 +194,31 @@ def test_a_failed_load_makes_vllm_recompute_the_blocks(engine, monkeypatch):
     s4 = e.step()  # vLLM recomputes from the first failed block on
     assert s4.out.num_scheduled_tokens == {"b": len(b.all_token_ids) - 1}
     assert rows(s4) == []
+    for layer in range(len(LAYERS)):
+        assert e.layer_blocks(layer, b_blocks[:3]).equal(expected(layer, b.all_token_ids, 0, 3))
+
+
+def test_a_failed_disk_read_leaves_the_blocks_and_vllm_recomputes_them(engine, monkeypatch):
+    """An I/O error reading kvdist's disk tier: the engine blocks of that read are left as
+    they were and named by get_block_ids_with_load_errors; vLLM recomputes them."""
+    e = engine("disk")
+    save_a(e)
+
+    def broken(self, slots, buffers):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(DiskPool, "read_blocks", broken)
+    b = e.add(request("b", PROMPT[:3 * BLOCK] + TAIL))
+    s3 = e.step()
+    b_blocks = list(s3.out.scheduled_new_reqs[0].block_ids[0])
+    assert s3.out.num_scheduled_tokens == {"b": len(TAIL)}
+    assert rows(s3) == [(RELOAD.name, [0, 1, 2], b_blocks[:3])]
+    assert s3.kv.invalid_block_ids == set(b_blocks[:3])
+    for layer in range(len(LAYERS)):  # the failed read wrote nothing
+        assert s3.heads("read", "b", layer)[:3].equal(s3.heads("before", "b", layer)[:3])
+    monkeypatch.undo()
+    s4 = e.step()  # vLLM recomputes from the first failed block on
+    assert s4.out.num_scheduled_tokens == {"b": len(b.all_token_ids) - 1} and rows(s4) == []
     for layer in range(len(LAYERS)):
         assert e.layer_blocks(layer, b_blocks[:3]).equal(expected(layer, b.all_token_ids, 0, 3))
 
