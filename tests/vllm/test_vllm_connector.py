@@ -47,7 +47,7 @@ def engine(model, tmp_path):
     made = []
 
     def make(tier: str = "host", layout: KVCacheLayout = KVCacheLayout.LBNHC, load_async: bool | None = None,
-             tp: int = 1, **cache) -> Engine:
+             tp: int = 1, num_blocks: int = NUM_BLOCKS, **cache) -> Engine:
         lines = ["cache:", "  device: cpu"]
         if tier == "host":
             lines.append("  host: {bytes: 64KiB}")  # 16 blocks of 4 KiB
@@ -60,7 +60,7 @@ def engine(model, tmp_path):
         lines += [f"  {k}: {v}" for k, v in cache.items()]
         (tmp_path / "kvdist.yaml").write_text("\n".join(lines) + "\n")
         extra = {} if load_async is None else {"load_async": load_async}
-        e = Engine(vllm_config(model, tmp_path / "kvdist.yaml", NUM_BLOCKS, **extra), NUM_BLOCKS, layout, tp)
+        e = Engine(vllm_config(model, tmp_path / "kvdist.yaml", num_blocks, **extra), num_blocks, layout, tp)
         e.tier = tier
         made.append(e)
         return e
@@ -299,13 +299,47 @@ def test_a_save_in_a_step_with_a_synchronous_load_copies_what_the_forward_wrote(
     assert rows(s3, "saves") == [(OFFLOAD.name, c_blocks[:2], [3, 4])]
     assert e.step().kv.finished_sending == {"c"}  # b saved nothing: freed at once
     assert e.scheduler.reset_prefix_cache()
-    d = e.add(request("d", other[:2 * BLOCK] + TAIL))
+    e.add(request("d", other[:2 * BLOCK] + TAIL))
     s5 = e.step()
     assert s5.out.num_scheduled_tokens == {"d": len(TAIL)}
     assert rows(s5) == [(ONBOARD.name, [3, 4], list(s5.out.scheduled_new_reqs[0].block_ids[0][:2]))]
     for layer in range(len(LAYERS)):
         assert s5.heads("read", "d", layer)[:2].equal(expected(layer, c.all_token_ids, 0, 2))
         assert s5.heads("read", "d", layer)[:2].equal(expected(layer, d.all_token_ids, 0, 2))
+
+
+def test_a_preempted_requests_saves_run_before_the_forward_may_write_its_freed_blocks(engine):
+    """b's blocks are saved behind step 1's forward and still queued when vLLM preempts
+    b for want of blocks (7 usable): the preempting step's metadata names b, and its
+    forward waits for b's saves (handle_preemptions) before a writes b's freed blocks;
+    kvdist's copies of b's blocks hold b's bytes (loaded into d at the end)."""
+    e = engine(simulate_async="true", num_blocks=8)
+    other = [200 - t for t in range(2 * BLOCK + 8)]  # 2 full blocks and 8 tokens
+    e.add(request("a", PROMPT, max_tokens=30))
+    b = e.add(request("b", other, max_tokens=30))
+    s1 = e.step()
+    b_blocks = e.blocks("b")
+    assert rows(s1, "saves")[0][1][3:] == b_blocks[:2]  # a's 3 blocks, then b's 2
+    executor = e.worker.kvdist.executor
+    for _ in range(12):
+        s = e.step()
+        if s.out.preempted_req_ids:
+            break
+    assert s.out.preempted_req_ids == {"b"} and s.out.kv_connector_metadata.preempted == {"b"}
+    assert executor.queued() == 0  # the fence ran b's saves (and what they queued behind)
+    while e.scheduler.requests["a"].status == RequestStatus.RUNNING:  # a takes b's blocks
+        e.step()
+    for _ in range(80):
+        e.worker.kvdist.synchronize()
+        e.step()
+        if not e.scheduler.requests:
+            break
+    assert not e.scheduler.requests and e.scheduler.reset_prefix_cache()
+    e.add(request("d", other[:2 * BLOCK] + TAIL))
+    s = e.step()
+    assert s.out.num_scheduled_tokens == {"d": len(TAIL)} and rows(s)[0][1] == [3, 4]
+    for layer in range(len(LAYERS)):
+        assert s.heads("read", "d", layer)[:2].equal(expected(layer, b.all_token_ids, 0, 2))
 
 
 def test_a_cache_salt_keeps_tenants_apart(engine):

@@ -99,8 +99,10 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """True (vLLM keeps the blocks until the workers report the saves finished)
         exactly when a save out of the request's blocks was planned: its last ones may
-        still be in flight."""
+        still be in flight. Full computed blocks not offered yet (their hashes came after
+        their step: asynchronous scheduling) are planned now, for the next step."""
         rid = request.request_id
+        self._plan_saves(rid, 0)
         self._hits.pop(rid, None)
         self._loaded.pop(rid, None)
         self._requests.pop(rid, None)
