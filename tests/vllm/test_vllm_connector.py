@@ -299,7 +299,7 @@ def test_a_save_in_a_step_with_a_synchronous_load_copies_what_the_forward_wrote(
     assert rows(s3, "saves") == [(OFFLOAD.name, c_blocks[:2], [3, 4])]
     assert e.step().kv.finished_sending == {"c"}  # b saved nothing: freed at once
     assert e.scheduler.reset_prefix_cache()
-    e.add(request("d", other[:2 * BLOCK] + TAIL))
+    d = e.add(request("d", other[:2 * BLOCK] + TAIL))
     s5 = e.step()
     assert s5.out.num_scheduled_tokens == {"d": len(TAIL)}
     assert rows(s5) == [(ONBOARD.name, [3, 4], list(s5.out.scheduled_new_reqs[0].block_ids[0][:2]))]
