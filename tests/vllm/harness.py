@@ -36,12 +36,14 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvdist.external import Job
 from kvdist.integrations.vllm import KVDistConnector
+from kvdist.transfer import OFFLOAD, SPILL
 
 BLOCK = 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -49,6 +51,9 @@ HEADS, HEAD = 2, 16
 DTYPE = torch.float16
 PAGE = HEADS * BLOCK * 2 * HEAD * 2  # bytes of one block of one layer (all heads): K and V, fp16
 EOS = 255
+PROMPT = list(range(1, 3 * BLOCK + 6))  # 53 tokens: 3 full blocks and 5
+TAIL = [7, 8, 9, 10]
+NUM_BLOCKS = 32
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
@@ -251,3 +256,43 @@ def expected(layer: int, tokens: list[int], first_block: int, n_blocks: int) -> 
             pos = (first_block + b) * BLOCK + t
             out[b, t] = kv_value(layer, pos, tokens[pos])
     return out
+
+
+def rows(step, part: str = "transfers") -> list[tuple[str, list[int], list[int]]]:
+    """The step's planned copies as (route, sources, destinations), grouped by route in
+    order: its loads (``transfers``, issued by start_load_kv) or its saves (``saves``,
+    issued by wait_for_save)."""
+    t = getattr(step.out.kv_connector_metadata, part)
+    out: list[tuple[str, list[int], list[int]]] = []
+    for route, s, d in zip(t.routes(), t.src.tolist(), t.dst.tolist()):
+        if out and out[-1][0] == route.name:
+            out[-1][1].append(s)
+            out[-1][2].append(d)
+        else:
+            out.append((route.name, [s], [d]))
+    return out
+
+
+def save_a(e: Engine) -> list[int]:
+    """Request ``a`` runs, finishes, and its 3 full blocks are saved; vLLM's prefix cache
+    is reset after. Returns a's engine block ids."""
+    e.add(request("a", PROMPT))
+    s1 = e.step()
+    assert s1.out.num_scheduled_tokens == {"a": len(PROMPT)}
+    a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
+    assert len(a_blocks) == 4
+    # the 3 blocks a's forward completes are saved behind that forward, in step 1
+    route = OFFLOAD.name if e.tier == "host" else SPILL.name
+    assert rows(s1) == [] and rows(s1, "saves") == [(route, a_blocks[:3], [0, 1, 2])]
+    assert s1.out.kv_connector_metadata.saves.jobs == (Job("a", "save", tuple(a_blocks[:3])),)
+    assert e.connector.planner.stats()["blocks_used"] == {e.tier: 3}
+    # a finished in step 1 with saves planned: vLLM keeps its blocks until the workers say
+    assert e.scheduler.requests["a"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert not s1.kv.finished_sending and e.connector.saving() == {"a"}
+    s2 = e.step()
+    assert s2.out.num_scheduled_tokens == {} and rows(s2) == rows(s2, "saves") == []
+    assert s2.out.kv_connector_metadata.held == {"a"}
+    assert s2.kv.finished_sending == {"a"}
+    assert "a" not in e.scheduler.requests  # freed once the workers said the save finished
+    assert e.scheduler.reset_prefix_cache()
+    return a_blocks

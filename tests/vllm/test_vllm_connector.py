@@ -4,7 +4,8 @@ scheduler-side and worker-side call of the connector API, with exact block ids, 
 counts and bytes.
 
 A prompt of 3 full blocks and 5 tokens runs as request ``a`` (one output token); its
-blocks are saved to kvdist when it finishes. vLLM's own prefix cache is then reset, so
+blocks are saved to kvdist behind the forward that computes them (``harness.save_a``;
+the saves themselves: ``test_vllm_saves.py``). vLLM's own prefix cache is then reset, so
 request ``b`` (the same 3 blocks, another tail) misses vLLM's GPU cache and hits
 kvdist's."""
 
@@ -25,89 +26,21 @@ from kvdist.errors import CacheClosedError, ConfigError  # noqa: E402
 from kvdist.external import Job  # noqa: E402
 from kvdist.integrations.vllm import KVDistConnector  # noqa: E402
 from kvdist.storage import DiskPool  # noqa: E402
-from kvdist.transfer import OFFLOAD, ONBOARD, RELOAD, SPILL  # noqa: E402
+from kvdist.transfer import OFFLOAD, ONBOARD, RELOAD  # noqa: E402
 
-from .harness import BLOCK, LAYERS, Engine, expected, model_config, request, vllm_config  # noqa: E402
-
-PROMPT = list(range(1, 3 * BLOCK + 6))  # 53 tokens: 3 full blocks and 5
-TAIL = [7, 8, 9, 10]
-NUM_BLOCKS = 32
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return model_config(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def engine(model, tmp_path):
-    """make(tier="host", **kvdist cache keys, load_async=...) -> an Engine; closed after.
-    The recompute policy is off unless asked for (``recompute_when_faster="true"``): the
-    stand-in forward's speed would otherwise decide whether a hit is loaded."""
-    made = []
-
-    def make(tier: str = "host", layout: KVCacheLayout = KVCacheLayout.LBNHC, load_async: bool | None = None,
-             tp: int = 1, num_blocks: int = NUM_BLOCKS, **cache) -> Engine:
-        lines = ["cache:", "  device: cpu"]
-        if tier == "host":
-            lines.append("  host: {bytes: 64KiB}")  # 16 blocks of 4 KiB
-        else:
-            lines += ["  host: {bytes: 0}", f"  disk: {{path: {tmp_path / 'disk'}, bytes: 64KiB}}"]
-        cache = {"recompute_when_faster": "false", **cache}
-        disk_keys = {k: cache.pop(k) for k in list(cache) if k.startswith("disk_")}
-        if disk_keys:
-            lines[-1] = lines[-1][:-1] + "".join(f", {k[5:]}: {v}" for k, v in disk_keys.items()) + "}"
-        lines += [f"  {k}: {v}" for k, v in cache.items()]
-        (tmp_path / "kvdist.yaml").write_text("\n".join(lines) + "\n")
-        extra = {} if load_async is None else {"load_async": load_async}
-        e = Engine(vllm_config(model, tmp_path / "kvdist.yaml", num_blocks, **extra), num_blocks, layout, tp)
-        e.tier = tier
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
-def rows(step, part: str = "transfers") -> list[tuple[str, list[int], list[int]]]:
-    """The step's planned copies as (route, sources, destinations), grouped by route in
-    order: its loads (``transfers``, issued by start_load_kv) or its saves (``saves``,
-    issued by wait_for_save)."""
-    t = getattr(step.out.kv_connector_metadata, part)
-    out: list[tuple[str, list[int], list[int]]] = []
-    for route, s, d in zip(t.routes(), t.src.tolist(), t.dst.tolist()):
-        if out and out[-1][0] == route.name:
-            out[-1][1].append(s)
-            out[-1][2].append(d)
-        else:
-            out.append((route.name, [s], [d]))
-    return out
-
-
-def save_a(e: Engine) -> list[int]:
-    """Request ``a`` runs, finishes, and its 3 full blocks are saved; vLLM's prefix cache
-    is reset after. Returns a's engine block ids."""
-    e.add(request("a", PROMPT))
-    s1 = e.step()
-    assert s1.out.num_scheduled_tokens == {"a": len(PROMPT)}
-    a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
-    assert len(a_blocks) == 4
-    # the 3 blocks a's forward completes are saved behind that forward, in step 1
-    route = OFFLOAD.name if e.tier == "host" else SPILL.name
-    assert rows(s1) == [] and rows(s1, "saves") == [(route, a_blocks[:3], [0, 1, 2])]
-    assert s1.out.kv_connector_metadata.saves.jobs == (Job("a", "save", tuple(a_blocks[:3])),)
-    assert e.connector.planner.stats()["blocks_used"] == {e.tier: 3}
-    # a finished in step 1 with saves planned: vLLM keeps its blocks until the workers say
-    assert e.scheduler.requests["a"].status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert not s1.kv.finished_sending and e.connector.saving() == {"a"}
-    s2 = e.step()
-    assert s2.out.num_scheduled_tokens == {} and rows(s2) == rows(s2, "saves") == []
-    assert s2.out.kv_connector_metadata.held == {"a"}
-    assert s2.kv.finished_sending == {"a"}
-    assert "a" not in e.scheduler.requests  # freed once the workers said the save finished
-    assert e.scheduler.reset_prefix_cache()
-    return a_blocks
+from .harness import (  # noqa: E402
+    BLOCK,
+    LAYERS,
+    NUM_BLOCKS,
+    PROMPT,
+    TAIL,
+    Engine,
+    expected,
+    request,
+    rows,
+    save_a,
+    vllm_config,
+)
 
 
 def test_vllm_0_33_0_abstract_methods_are_the_ones_kvdist_implements():
@@ -243,103 +176,6 @@ def test_a_failed_asynchronous_load_ends_the_wait_and_vllm_asks_again(engine, mo
         assert s5.heads("read", "b", layer)[:3].equal(expected(layer, b.all_token_ids, 0, 3))
     for layer in range(len(LAYERS)):
         assert e.layer_blocks(layer, b_blocks[:3]).equal(expected(layer, b.all_token_ids, 0, 3))
-
-
-def test_a_request_finished_before_its_save_completes_keeps_its_blocks_until_then(engine):
-    e = engine(simulate_async="true")  # copies run only when something waits for them
-    e.add(request("a", PROMPT))
-    s1 = e.step()
-    a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
-    assert rows(s1, "saves") == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
-    s2 = e.step()
-    assert not s2.kv.finished_sending
-    s3 = e.step()
-    assert not s3.kv.finished_sending
-    pool = e.scheduler.kv_cache_manager.block_pool
-    assert "a" in e.scheduler.requests and e.connector.saving() == {"a"}
-    assert [pool.blocks[i].ref_cnt for i in a_blocks] == [1, 1, 1, 1]  # not free: the save reads them
-    e.worker.kvdist.synchronize()  # the save runs
-    s4 = e.step()
-    assert s4.kv.finished_sending == {"a"}
-    assert "a" not in e.scheduler.requests and e.connector.saving() == set()
-    assert [pool.blocks[i].ref_cnt for i in a_blocks] == [0, 0, 0, 0]
-
-
-def test_a_steps_saves_are_issued_behind_its_forward_and_never_waited_for(engine):
-    """The saves of the blocks a step's forward completes are issued by that step's
-    wait_for_save (not the next step's start_load_kv), which returns with them still
-    queued; get_finished names the request once they landed, in the step after."""
-    e = engine(simulate_async="true")  # copies run only when something waits for them
-    e.add(request("a", PROMPT))
-    s1 = e.step()
-    a_blocks = list(s1.out.scheduled_new_reqs[0].block_ids[0])
-    assert rows(s1, "saves") == [(OFFLOAD.name, a_blocks[:3], [0, 1, 2])]
-    cache = e.worker.kvdist
-    assert cache.stats()["blocks_moved"] == {OFFLOAD.name: 3}  # issued in step 1
-    assert cache.executor.queued() == 1 and cache.saving() == {"a"}  # and not waited for
-    assert not s1.kv.finished_sending
-    cache.synchronize()  # the save lands
-    s2 = e.step()
-    assert s2.kv.finished_sending == {"a"} and cache.stats()["blocks_moved"] == {OFFLOAD.name: 3}
-
-
-def test_a_save_in_a_step_with_a_synchronous_load_copies_what_the_forward_wrote(engine):
-    """vLLM calls start_load_kv before the forward when the step has a synchronous load:
-    request c's blocks, computed by that forward, are saved with the bytes it wrote
-    (they are read back into d's blocks, layer by layer)."""
-    e = engine()
-    save_a(e)
-    other = [200 - t for t in range(2 * BLOCK + 3)]  # 2 full blocks and 3 tokens
-    e.add(request("b", PROMPT[:3 * BLOCK] + TAIL))
-    c = e.add(request("c", other))
-    s3 = e.step()
-    assert s3.out.scheduled_cached_reqs.num_reqs == 0 and s3.out.has_sync_kv_loads
-    assert s3.out.num_scheduled_tokens == {"b": len(TAIL), "c": len(other)}
-    c_blocks = e.blocks("c")
-    assert rows(s3, "saves") == [(OFFLOAD.name, c_blocks[:2], [3, 4])]
-    assert e.step().kv.finished_sending == {"c"}  # b saved nothing: freed at once
-    assert e.scheduler.reset_prefix_cache()
-    d = e.add(request("d", other[:2 * BLOCK] + TAIL))
-    s5 = e.step()
-    assert s5.out.num_scheduled_tokens == {"d": len(TAIL)}
-    assert rows(s5) == [(ONBOARD.name, [3, 4], list(s5.out.scheduled_new_reqs[0].block_ids[0][:2]))]
-    for layer in range(len(LAYERS)):
-        assert s5.heads("read", "d", layer)[:2].equal(expected(layer, c.all_token_ids, 0, 2))
-        assert s5.heads("read", "d", layer)[:2].equal(expected(layer, d.all_token_ids, 0, 2))
-
-
-def test_a_preempted_requests_saves_run_before_the_forward_may_write_its_freed_blocks(engine):
-    """b's blocks are saved behind step 1's forward and still queued when vLLM preempts
-    b for want of blocks (7 usable): the preempting step's metadata names b, and its
-    forward waits for b's saves (handle_preemptions) before a writes b's freed blocks;
-    kvdist's copies of b's blocks hold b's bytes (loaded into d at the end)."""
-    e = engine(simulate_async="true", num_blocks=8)
-    other = [200 - t for t in range(2 * BLOCK + 8)]  # 2 full blocks and 8 tokens
-    e.add(request("a", PROMPT, max_tokens=30))
-    b = e.add(request("b", other, max_tokens=30))
-    s1 = e.step()
-    b_blocks = e.blocks("b")
-    assert rows(s1, "saves")[0][1][3:] == b_blocks[:2]  # a's 3 blocks, then b's 2
-    executor = e.worker.kvdist.executor
-    for _ in range(12):
-        s = e.step()
-        if s.out.preempted_req_ids:
-            break
-    assert s.out.preempted_req_ids == {"b"} and s.out.kv_connector_metadata.preempted == {"b"}
-    assert executor.queued() == 0  # the fence ran b's saves (and what they queued behind)
-    while e.scheduler.requests["a"].status == RequestStatus.RUNNING:  # a takes b's blocks
-        e.step()
-    for _ in range(80):
-        e.worker.kvdist.synchronize()
-        e.step()
-        if not e.scheduler.requests:
-            break
-    assert not e.scheduler.requests and e.scheduler.reset_prefix_cache()
-    e.add(request("d", other[:2 * BLOCK] + TAIL))
-    s = e.step()
-    assert s.out.num_scheduled_tokens == {"d": len(TAIL)} and rows(s)[0][1] == [3, 4]
-    for layer in range(len(LAYERS)):
-        assert s.heads("read", "d", layer)[:2].equal(expected(layer, b.all_token_ids, 0, 2))
 
 
 def test_a_cache_salt_keeps_tenants_apart(engine):

@@ -15,11 +15,19 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from .harness import BLOCK, HEADS, LAYERS, Engine, expected, model_config, request, vllm_config
-
-PROMPT = list(range(1, 3 * BLOCK + 6))
-TAIL = [7, 8, 9, 10]
-NUM_BLOCKS = 32
+from .harness import (
+    BLOCK,
+    HEADS,
+    LAYERS,
+    NUM_BLOCKS,
+    PROMPT,
+    TAIL,
+    Engine,
+    expected,
+    model_config,
+    request,
+    vllm_config,
+)
 
 
 def routes(t) -> list[tuple[str, int, int]]:
