@@ -37,7 +37,8 @@ only adds a spurious wait."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,6 +165,7 @@ class TransferEngine:
         self._compute_done = _NONE
         self._compute_event = None
         self._layered = False  # the last before_compute left S5 to before_layer
+        self._collect: tuple[Route, list[Event]] | None = None  # see ``collecting``
         self.stats = TransferStats()
 
     # -- keys ---------------------------------------------------------------------------
@@ -301,6 +303,24 @@ class TransferEngine:
         self._last_read[wk] = _NONE  # this batch waited for those reads: it stands for them now
         self._stream_last[route.stream] = ev
         self.stats.batches += 1
+        if self._collect is not None and self._collect[0] is route:
+            self._collect[1].append(ev)
+
+    @contextmanager
+    def collecting(self, route: Route) -> Iterator[list[Event]]:
+        """The events of the batches along ``route`` submitted inside the ``with``
+        block; on leaving it the open batch of ``route`` is submitted too, so the list
+        covers every copy queued along it by then (a prefetch's promotions: what its
+        admission would wait for)."""
+        assert self._collect is None, "collecting already"
+        got: list[Event] = []
+        self._collect = (route, got)
+        try:
+            yield got
+            if route in self._open:
+                self._flush(route)
+        finally:
+            self._collect = None
 
     def flush(self) -> None:
         """Submit every open batch (they are mutually independent by construction)."""
