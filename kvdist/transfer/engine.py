@@ -14,7 +14,8 @@ Rules enforced here (docs/design.md, "Synchronization rules"):
   (the rows of its block tables, ``compute_uses``) waits for the compute stream as it
   was at ``begin_step``; other copies (free GPU slots, host and disk slots) do not, so
   a scheduler running a step ahead moves blocks while the last step's kernels run.
-* S5 — ``before_compute`` submits everything and makes compute wait for it; with
+* S5 — ``before_compute`` submits everything and makes compute wait for every copy
+  touching the GPU tier (copies between host and disk, a prefetch's, are not its); with
   batches copied by layer group (``layered``), compute instead waits before it reads
   each layer (``before_layer``) for the groups holding that layer.
 
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..blocks import SlotSpace
+from ..blocks import GPU, SlotSpace
 from .contract import Event, Executor
 from .routes import Route
 
@@ -301,7 +302,8 @@ class TransferEngine:
         self._last_read[rk] = bid
         self._last_write[wk] = bid
         self._last_read[wk] = _NONE  # this batch waited for those reads: it stands for them now
-        self._stream_last[route.stream] = ev
+        if route.src == GPU or route.dst == GPU:  # S5: compute waits for these alone
+            self._stream_last[route.stream] = ev
         self.stats.batches += 1
         if self._collect is not None and self._collect[0] is route:
             self._collect[1].append(ev)
@@ -354,8 +356,8 @@ class TransferEngine:
         return bool(max(marks[rk].max(initial=_NONE), marks[wk].max(initial=_NONE)) > self._compute_done)
 
     def before_compute(self, layered: bool = False) -> None:
-        """S5: submit every queued copy; the compute stream waits for all of them, now
-        or (``layered``) layer by layer, in ``before_layer``."""
+        """S5: submit every queued copy; the compute stream waits for all of them that
+        touch the GPU tier, now or (``layered``) layer by layer, in ``before_layer``."""
         self.flush()
         self._layered = layered
         if "S5" not in self.rules:

@@ -33,19 +33,27 @@ class PrefetchGate:
     def __init__(self, cache: Prefetching):
         self.cache = cache  # the main job's driver hands it its timed front (``TimedCache``)
         self._started: set[int] = set()  # requests prefetched (alike on every rank)
+        self._fetching: set[int] = set()  # ... of which had blocks to fetch
         self._held: set[int] = set()  # started requests held back at least one step
         self.prefetched = 0  # requests that had blocks to fetch
         self.held = 0  # requests admitted at least one step late for their prefetch
 
     def start(self, req: Request) -> None:
-        self.prefetch(req)
+        """``req``'s GPU blocks are reserved: prefetch it now (again, if the look-ahead
+        did earlier: its blocks may have gone colder since)."""
+        self._started.add(req.rid)
+        self._fetch(req)
 
     def prefetch(self, req: Request) -> None:
-        """Start ``req``'s prefetch, unless it was started already."""
-        if req.rid in self._started:
-            return
-        self._started.add(req.rid)
-        self.prefetched += self.cache.prefetch(req.rid, req.prompt.tolist()) > 0
+        """The look-ahead: start ``req``'s prefetch, unless it was started already."""
+        if req.rid not in self._started:
+            self._started.add(req.rid)
+            self._fetch(req)
+
+    def _fetch(self, req: Request) -> None:
+        if self.cache.prefetch(req.rid, req.prompt.tolist()) > 0 and req.rid not in self._fetching:
+            self._fetching.add(req.rid)
+            self.prefetched += 1
 
     def ready(self, started: list[Request]) -> set[int]:
         self._held &= {req.rid for req in started}  # admitted ones are gone for good
