@@ -117,7 +117,10 @@ def test_cuda_running_ahead_with_the_staging_ring_at_its_minimum_finds_no_bad_bl
     serial, ahead = results[False], results[True]
     assert ahead["ok"], ahead["integrity"]
     assert ahead["integrity_mismatches"] == 0 and ahead["integrity"]["logits_failed"] == 0
-    assert {k: ahead[k] for k in SAME} == {k: serial[k] for k in SAME}
+    # On a GPU a request whose prefix is on disk joins the batch once its reads landed,
+    # which the disk's timing decides: the two runs serve the same requests, not
+    # necessarily in the same steps (the CPU tests above compare the steps too).
+    assert ahead["requests"] == serial["requests"] and ahead["prompt_tokens"] == serial["prompt_tokens"]
     assert ahead["critical_path"]["timers"] == "cuda events"
 
 
