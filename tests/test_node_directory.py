@@ -1,9 +1,10 @@
 """The node directory in one process: a holder replica's two TP ranks (each writing the
-entries of its buckets) and two reader TP ranks map one file (docs/design.md, "Remote tier"). A lookup made at an agreed epoch gives
-the same answer whenever it is made, however the holder changed its host tier since
-(rule R4 without messages); an entry's way is reused only once every reader has moved
-past the epoch it died at; the holder's TP ranks say when their stamps and entries are
-published, and share the writing by bucket."""
+entries of its buckets) and two reader TP ranks map one file (docs/design.md, "Remote
+tier"). A lookup made at an agreed epoch gives the same answer whenever it is made,
+however the holder changed its host tier since (rule R4 without messages); an entry's
+way is reused only once every reader has moved past the epoch it died at; the holder's
+TP ranks say when their stamps and entries are published, and share the writing by
+bucket."""
 
 from __future__ import annotations
 

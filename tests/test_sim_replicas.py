@@ -366,14 +366,14 @@ def test_the_ceilings_scale_capacity_and_the_batch_only_where_asked():
     same = ceiling_config(cfg, 2, cap, 8192, batch=False)
     for c in (both, same):
         assert (c.cache.gpu.blocks, c.cache.host.bytes) == (320, 2 * 4096 * 8192)
-    assert (both.workload.max_batch, both.workload.max_prefill_tokens) == (2 * w.max_batch, 2 * w.max_prefill_tokens)
-    assert (same.workload.max_batch, same.workload.max_prefill_tokens) == (w.max_batch, w.max_prefill_tokens)
+    limits = [(c.workload.max_batch, c.workload.max_prefill_tokens) for c in (both, same)]
+    assert limits == [(2 * w.max_batch, 2 * w.max_prefill_tokens), (w.max_batch, w.max_prefill_tokens)]
     assert REPLICA_CONFIGS["one-cache"][2:] == (True, True)
     assert REPLICA_CONFIGS["one-cache-same-batch"][2:] == (True, False)
 
 
 def test_goal_ratios_divide_the_configurations_that_ran():
-    from kvdist.sim.experiment.replica_compare import goal_ratios, render
+    from kvdist.sim.experiment.replica_compare import goal_ratios
 
     def run(p50, tps):
         return {"latency": {"ttft_ms": {"p50": p50}, "prompt_tokens_per_s": tps}}

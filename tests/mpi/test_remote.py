@@ -120,7 +120,8 @@ def test_one_tp_rank_reads_the_node_directorys_epochs_for_its_group(world, monke
 
     reads = []
     observe = NodeDirectory.observe
-    monkeypatch.setattr(NodeDirectory, "observe", lambda self, counts: (reads.append(1), observe(self, counts)))
+    monkeypatch.setattr(NodeDirectory, "observe",
+                        lambda self, counts: (reads.append(1), observe(self, counts)))
     with _open(world) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()

@@ -100,12 +100,12 @@ def test_replicas_in_time_compare_every_configuration(tmp_path_factory):
     assert runs["isolated"]["routed"] == runs["sharing"]["routed"] == [20, 20]
     assert runs["one-cache"]["routed"] == runs["one-cache-same-batch"]["routed"] == [40, 0]
     ttft = {name: one["latency"]["ttft_ms"]["p50"] for name, one in runs.items()}
+    tps = {name: one["latency"]["prompt_tokens_per_s"] for name, one in runs.items()}
     assert {g["what"]: g["ratio"] for g in r["goals"]} == {
         "TTFT p50 sharing / isolated": ttft["sharing"] / ttft["isolated"],
         "TTFT p50 sharing / one-cache": ttft["sharing"] / ttft["one-cache"],
         "TTFT p50 sharing / one-cache-same-batch": ttft["sharing"] / ttft["one-cache-same-batch"],
-        "prompt tok/s sharing / isolated":
-            runs["sharing"]["latency"]["prompt_tokens_per_s"] / runs["isolated"]["latency"]["prompt_tokens_per_s"],
+        "prompt tok/s sharing / isolated": tps["sharing"] / tps["isolated"],
         "TTFT p50 prefix-aware+sharing / isolated": ttft["prefix-aware+sharing"] / ttft["isolated"]}
     assert "overlap_blocks" not in runs["isolated"]["router"]
     assert runs["prefix-aware"]["router"]["overlap_blocks"] > 0  # it saw the replicas' events
