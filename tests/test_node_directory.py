@@ -1,10 +1,8 @@
-"""The node directory in one process: a holder replica's two TP ranks (each writing the
-entries of its buckets) and two reader TP ranks map one file (docs/design.md, "Remote
-tier"). A lookup made at an agreed epoch gives the same answer whenever it is made,
-however the holder changed its host tier since (rule R4 without messages); an entry's
-way is reused only once every reader has moved past the epoch it died at; the holder's
-TP ranks say when their stamps and entries are published, and share the writing by
-bucket."""
+"""The node directory in one process: a holder replica's writer and two reader TP ranks
+map one file (docs/design.md, "Remote tier"). A lookup made at an agreed epoch gives
+the same answer whenever it is made, however the holder changed its host tier since
+(rule R4 without messages); an entry's way is reused only once every reader has moved
+past the epoch it died at; the writer's TP ranks say when their stamps are published."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ def _files(tmp_path):
     views = [NodeDirectory(path, SHAPE, r, t, (1 - r,)) for r in (0, 1) for t in (0, 1)]
     made.unlink()
     made.close()
-    return views  # holder t0, holder t1 (writers, of even and odd buckets), reader t0, reader t1
+    return views  # holder t0 (the writer), holder t1, reader t0, reader t1
 
 
 def _advance(holders, slots, hashes):
@@ -102,43 +100,20 @@ def test_a_dead_entrys_way_is_reused_only_once_every_reader_is_past_it(tmp_path)
         _agree([r0, r1])
         assert [_find(r0, x) for x in first] == slots
         _advance([w, h1], slots, second)  # epoch 2: the first ones died, the readers are at 1
-        assert (w.unlisted, h1.unlisted) == (0, WAYS)  # bucket 5 is TP rank 1's
+        assert w.unlisted == WAYS
         for r in (r0, r1):
             assert [_find(r, x) for x in first] == slots
         r0.use(np.array([2, 0]))  # one reader rank moved on, the other has not
         _advance([w, h1], slots, second)  # epoch 3: still no way free
-        assert h1.unlisted == 2 * WAYS
+        assert w.unlisted == 2 * WAYS
         assert [_find(r1, x) for x in first] == slots
         _agree([r0, r1])  # both at 3
         _advance([w, h1], slots, second)  # epoch 4: the ways of epoch 2's dead are free
-        assert h1.unlisted == 2 * WAYS
+        assert w.unlisted == 2 * WAYS
         _agree([r0, r1])
         for r in (r0, r1):
             assert [_find(r, x) for x in second] == slots and [_find(r, x) for x in first] == [-1] * WAYS
         w.check_invariants()
-        h1.check_invariants()
-    finally:
-        for v in views:
-            v.close()
-
-
-def test_each_holder_tp_rank_writes_the_entries_of_its_buckets(tmp_path):
-    """The holder's TP ranks share the writing: a block of an even bucket is written by
-    TP rank 0, one of an odd bucket by TP rank 1, each at its own advance (a reader that
-    read before the slower rank published would miss the other's blocks, which is why
-    the agreed epoch is the MIN over the holder's TP ranks); each counts what it lists."""
-    w, h1, r0, r1 = views = _files(tmp_path)
-    try:
-        even, odd = (7 << 64) | (3 << 40) | 4, (8 << 64) | (5 << 40) | 9
-        _advance([w], [1, 2], [even, odd])
-        r0.use(np.array([1, 0]))  # reading ahead of what the holder published, for the test
-        assert (_find(r0, even), _find(r0, odd)) == (1, -1)
-        _advance([h1], [1, 2], [even, odd])
-        assert _agree([r0, r1]).tolist() == [1, 0]
-        assert (_find(r0, even), _find(r0, odd)) == (1, 2)
-        assert (w.live[0].tolist(), r0.known()) == ([1, 1], 2)
-        w.check_invariants()
-        h1.check_invariants()
     finally:
         for v in views:
             v.close()

@@ -11,22 +11,18 @@ replicas) of ``T`` TP ranks and host tiers of ``H`` slots:
 
 ```
 published[i, t]         the epoch up to which TP rank t of replica i has stamped its slots
-                        and written its part of the entries
 seen[j*T + t, i]        the epoch of replica i that TP rank t of replica j reads at
-live[i, t]              entries of replica i that its TP rank t lists now (for stats)
+live[i]                 entries of replica i listed now (for stats)
 fp, slot, born, died    the index: bucket b = (hash lo) & mask has, per replica, WAYS
   [bucket, i, way]      entries (32 bits of the hash, the host slot, the epochs between
                         which it is listed)
 ```
 
-**Writers.** The TP ranks of a holder replica write its entries, each those of the
-buckets ``b`` with ``b mod T`` = its TP rank (its TP ranks hold the same blocks in the
-same slots, so each can: the group shares the work, and no rank waits at the next
-agreement for one that wrote everything); no other process writes them, so nothing
-needs a lock. Every ``k`` steps, at end_step, the replica moves to epoch e + 1: the
-entries of host slots that changed get ``died = e + 1``, new entries ``born = e + 1``
-(``born`` written first, ``died`` last), and then each TP rank of the holder, its
-stamps published and its entries written, sets ``published[i, t]``.
+**Writer.** One rank per holder replica (its TP rank 0) writes that replica's entries;
+no other process writes them, so nothing needs a lock. Every ``k`` steps, at end_step,
+the replica moves to epoch e + 1: the entries of host slots that changed get
+``died = e + 1``, new entries ``born = e + 1`` (``born`` written first, ``died`` last),
+and then every TP rank of the holder, its stamps published, sets ``published[i, t]``.
 
 **Readers.** A replica's TP ranks read replica ``i`` at an epoch ``E[i]`` they agreed on
 (the MIN over the TP group of ``min_t published[i, t]``, riding on the remote tier's
@@ -80,7 +76,7 @@ class NodeShape:
     @property
     def words(self) -> int:
         n, t = len(self.replicas), self.tp_size
-        return n * t + n * t * n + n * t + 4 * self.entries
+        return n * t + n * t * n + n + 4 * self.entries
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +86,7 @@ class NodeShape:
 class NodeDirectory:
     """This rank's view of the node directory file ``path`` (created with ``create``,
     else mapped): replica ``replica``, TP rank ``tp_rank``; ``peers``: its node peers
-    (global replica ids). With peers, it writes the replica's entries of the buckets
-    that are its TP rank's."""
+    (global replica ids). TP rank 0 writes the replica's entries when it has peers."""
 
     def __init__(self, path: str, shape: NodeShape, replica: int, tp_rank: int,
                  peers: tuple[int, ...], create: bool = False):
@@ -105,8 +100,8 @@ class NodeDirectory:
         at = n * t
         self.seen = words[at: at + n * t * n].reshape(n * t, n)
         at += n * t * n
-        self.live = words[at: at + n * t].reshape(n, t)
-        at += n * t
+        self.live = words[at: at + n]
+        at += n
         self.fp, self.slot, self.born, self.died = (words[at + k * e: at + (k + 1) * e] for k in range(4))
         self.mask = shape.buckets - 1
         self.row = n * WAYS  # entries per bucket, all replicas
@@ -119,10 +114,9 @@ class NodeDirectory:
         self._fp_bytes = memoryview(self.fp.view(np.uint8))
         self._slot, self._born, self._died = (memoryview(a) for a in (self.slot, self.born, self.died))
         self.held: np.ndarray | None = None  # tests: epochs frozen (a late publisher)
-        # Writer (every TP rank with peers, of its buckets): where each host slot's listed
-        # entry is, which ways are taken (listed, or dead but maybe still read), dead
-        # entries by epoch.
-        self.writer = bool(peers)
+        # Writer (TP rank 0 with peers): where each host slot's listed entry is, which
+        # ways are taken (listed, or dead but maybe still read), dead entries by epoch.
+        self.writer = tp_rank == 0 and bool(peers)
         self.epoch = 0  # this replica's epoch (every TP rank counts it)
         if self.writer:
             self._pos = np.full(shape.host_slots, EMPTY, dtype=np.int64)
@@ -138,8 +132,8 @@ class NodeDirectory:
     def advance(self, slots: np.ndarray, held: np.ndarray, hi: np.ndarray, lo: np.ndarray) -> None:
         """Epoch + 1 with these host slots' changes (local ids, each once; ``held``:
         it holds a block now, of hash ``hi``/``lo``). Called by every TP rank of the
-        holder at the same boundaries with the same changes, after its stamps are
-        published; each writes the entries of its buckets, then says it published."""
+        holder at the same boundaries, after its stamps are published; the writer
+        writes the entries, every rank then says it published."""
         e = self.epoch = self.epoch + 1
         if self.writer:
             self._write(np.asarray(slots, dtype=np.int64), np.asarray(held, dtype=bool), hi, lo, e)
@@ -158,12 +152,8 @@ class NodeDirectory:
         if not held.all():
             slots, lo = slots[held], lo[held]
         lo = np.ascontiguousarray(lo, dtype=np.uint64)
-        b = (lo & np.uint64(self.mask)).astype(np.intp)
-        tp = self.shape.tp_size
-        if tp > 1:  # this TP rank's buckets
-            mine = b % tp == self.tp_rank
-            slots, lo, b = slots[mine], np.ascontiguousarray(lo[mine]), b[mine]
         fps = lo.view(np.int32)[1::2]  # the high 32 bits of each lo (little-endian)
+        b = (lo & np.uint64(self.mask)).astype(np.intp)
         ids = np.arange(len(b))
         owner, taken, me = self._owner, self._taken, self.me * WAYS
         while len(b):
@@ -194,7 +184,7 @@ class NodeDirectory:
             if single:
                 break
             b, ids = b[later], ids[later]
-        self.live[self.me, self.tp_rank] = self._listed
+        self.live[self.me] = self._listed
 
     def _reclaim(self) -> None:
         """Free the ways of entries that died at an epoch every reader has reached."""
