@@ -315,19 +315,26 @@ def test_a_replicated_jobs_compare_names_its_own_configurations(capsys):
     assert "isolated, sharing, prefix-aware, prefix-aware+sharing, one-cache" in err
 
 
-def _ideal_computed(trace: Trace, routes, tokens_per_block: int) -> int:
-    """Prompt tokens computed when every replica keeps every block it ever wrote (no
-    capacity limit): a request reuses the longest prefix its replica saw."""
+def _ideal_computed(trace: Trace, routes, tokens_per_block: int) -> list[int]:
+    """Prompt tokens computed per routing of ``routes`` (one array per routing) when every
+    replica keeps every block it ever wrote (no capacity limit): a request reuses the
+    longest prefix its replica saw."""
     from kvdist.sim.experiment.workload import block_keys
 
-    seen: dict[int, set[bytes]] = {}
-    computed = 0
-    for r, k in sorted(zip(trace.requests, routes), key=lambda rk: rk[0].arrival_s):
-        keys, known = block_keys(r.prompt, tokens_per_block), seen.setdefault(int(k), set())
-        hit = next((i for i, key in enumerate(keys) if key not in known), len(keys))
-        computed += len(r.prompt) - hit * tokens_per_block
-        known.update(block_keys(np.concatenate([r.prompt, r.output[:-1]]), tokens_per_block))
-    return computed
+    order = sorted(trace.requests, key=lambda r: r.arrival_s)
+    written = {r.rid: block_keys(np.concatenate([r.prompt, r.output[:-1]]), tokens_per_block) for r in order}
+    out = []
+    for route_of in routes:
+        seen: dict[int, set[bytes]] = {}
+        computed = 0
+        for r in order:
+            keys = written[r.rid][: len(r.prompt) // tokens_per_block]
+            known = seen.setdefault(int(route_of[r.rid]), set())
+            hit = next((i for i, key in enumerate(keys) if key not in known), len(keys))
+            computed += len(r.prompt) - hit * tokens_per_block
+            known.update(written[r.rid])
+        out.append(computed)
+    return out
 
 
 def test_h200_replicas_trace_has_isolated_replicas_recompute_what_the_other_holds():
@@ -344,9 +351,8 @@ def test_h200_replicas_trace_has_isolated_replicas_recompute_what_the_other_hold
     n = len(trace.requests)
     order = sorted(range(n), key=lambda i: trace.requests[i].arrival_s)
     rr = np.empty(n, dtype=np.int64)
-    rr[order] = np.arange(n) % 2  # the k-th arrival to replica k mod 2
-    isolated = _ideal_computed(trace, rr, tpb)
-    one = _ideal_computed(trace, np.zeros(n, dtype=np.int64), tpb)
+    rr[[trace.requests[i].rid for i in order]] = np.arange(n) % 2  # the k-th arrival to replica k mod 2
+    isolated, one = _ideal_computed(trace, [rr, np.zeros(n, dtype=np.int64)], tpb)
     gap = isolated - one
     assert gap > 0.15 * trace.prompt_tokens, (gap, trace.prompt_tokens)
     long_first = sum(1 for r in trace.requests if r.turn == 0)
