@@ -55,7 +55,7 @@ def solo(cfg: CacheConfig, opts: RunOptions, comm=None, *, model: Decoder | None
             gpu = cache.stats()["capacity_blocks"]["gpu"]
             # A request whose prefix must come from disk waits for its reads (agreed by the
             # ranks) instead of the step blocking on them: admission.PrefetchGate.
-            gate = PrefetchGate(cache)
+            gate = PrefetchGate(cache) if w.wait_for_disk_reads else None
             sched = Scheduler(trace, max_batch=w.max_batch, max_prefill_tokens=w.max_prefill_tokens,
                               gpu_blocks=gpu, tokens_per_block=cache.layout.tokens_per_block, gate=gate)
             placement, model = engine(cfg, cache, tp, comm, model)
