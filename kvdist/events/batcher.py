@@ -7,16 +7,17 @@ blocks exactly.
 
 State, per global slot (lists indexed by slot, like the manager's arrays): the wire
 hash of the cached block there and what it is beyond its hash — ``(parent wire hash or
-None, its token ids msgpack-encoded)``: the bytes a ``token_ids`` list of the block
-encodes to, without the list's header, made once when the block is registered, so
-that each later move of the block costs no int object and no encoding — as the records
-so far leave them, moved with the block; and the hashes cached in any tier (the prefix
-index's keys), which tell a registered block that is new from one that stays private.
-A block landed from another replica is known by its hash alone (``UNKNOWN``: no
-parent, no tokens).
+None, its token ids)``, the ids as the :class:`msgspec.Raw` bytes of their msgpack list,
+encoded once when the block is registered, so that each later move of the block sends
+them again with no int object made and nothing encoded — as the records so far leave
+them, moved with the block; and the hashes cached in any tier (the prefix index's
+keys), which tell a registered block that is new from one that stays private. A block
+landed from another replica is known by its hash alone (``UNKNOWN``: no parent, no
+tokens).
 
-The events' ``token_ids`` are :class:`msgspec.Raw` (the blocks' encoded token ids
-under one list header): they encode to exactly the bytes of the list of ints."""
+An event's ``token_ids`` is therefore a :class:`msgspec.Raw`, which encodes to exactly
+the bytes of the list of ints: one block's, or the blocks' of a chained run under one
+list header."""
 
 from __future__ import annotations
 
@@ -54,12 +55,14 @@ class EventBuilder:
         self._info: list[tuple | None] = [None] * space.total
         self._held: set[int] = set()
         self._encode = msgspec.msgpack.Encoder().encode
-        self._skip = len(list_header(block_size))  # a block's encoded tokens: past the header
+        self._skip = len(list_header(block_size))  # a block's encoded ids past their list header
         self._out: list[KVCacheEvent] = []
-        self._parts: list[list[bytes] | None] = []  # of each BlockStored with tokens: its blocks' tokens
+        # Of each event in _out: None (no token ids), the Raw of its one block, or the
+        # Raws of its blocks (a chained run, joined under one header at the end).
+        self._parts: list[msgspec.Raw | list[msgspec.Raw] | None] = []
 
     def _medium(self, slot: int) -> str:
-        return MEDIA[GPU if slot < self._host else (HOST if slot < self._disk else DISK)]
+        return MEDIA[(slot >= self._host) + (slot >= self._disk)]
 
     def events(self, records: list[Record]) -> list[KVCacheEvent]:
         self._out, self._parts = [], []
@@ -94,23 +97,24 @@ class EventBuilder:
             self._moves([], [], drops)
         out, parts = self._out, self._parts
         self._out, self._parts = [], []
-        tpb = self._block_size
+        tpb, skip = self._block_size, self._skip
         for ev, p in zip(out, parts):
-            if p is not None:
-                ev.token_ids = msgspec.Raw(list_header(len(p) * tpb) + b"".join(p))
+            if type(p) is list:
+                ev.token_ids = msgspec.Raw(list_header(len(p) * tpb) + b"".join(memoryview(r)[skip:] for r in p))
         return out
 
-    def _append(self, ev: KVCacheEvent, parts: list[bytes] | None) -> None:
+    def _append(self, ev: KVCacheEvent, parts: msgspec.Raw | None) -> None:
         self._out.append(ev)
         self._parts.append(parts)
 
     def _registered(self, slots: list[int], tokens: array, start: int, end: int,
                     parent128: int | None) -> None:
-        held, tpb, gpu, encode, skip = self._held, self._block_size, MEDIA[GPU], self._encode, self._skip
+        held, tpb, gpu, encode = self._held, self._block_size, MEDIA[GPU], self._encode
         hashes_at, info = self._hash, self._info
         slots, tokens = slots[start:end], tokens[start * tpb : end * tpb]  # copies: the step may extend them
         hashes = chain_hashes(self._salt if parent128 is None else digest_bytes(parent128),
                               memoryview(tokens).cast("B"), 0, end - start, tpb)
+        ids = tokens.tolist()
         parent = None if parent128 is None else parent128 & MASK64
         t = 0
         for s, h in zip(slots, hashes):
@@ -118,7 +122,7 @@ class EventBuilder:
             if h not in held:  # else the block stays private: cached elsewhere already
                 held.add(h)
                 hashes_at[s] = h
-                info[s] = rec = (parent, encode(tokens[t : t + tpb].tolist())[skip:])
+                info[s] = rec = (parent, msgspec.Raw(encode(ids[t : t + tpb])))
                 self._stored(gpu, h, rec)
             parent = h
             t += tpb
@@ -127,7 +131,7 @@ class EventBuilder:
         if drops:
             self._moves_and_drops(srcs, dsts, drops)
             return
-        hashes, info, medium, bs = self._hash, self._info, self._medium, self._block_size
+        hashes, info, bs, host, disk = self._hash, self._info, self._block_size, self._host, self._disk
         out, parts = self._out, self._parts
         first = True
         for s, t in zip(srcs, dsts):
@@ -137,13 +141,14 @@ class EventBuilder:
             parent, tok = info[t] = info[s]
             info[s] = None
             if first:  # it may join a BlockRemoved before the run
-                self._removed(medium(s), h)
+                self._removed(MEDIA[(s >= host) + (s >= disk)], h)
                 first = False
             else:  # removals and stores alternate from here: none joins another
-                out.append(BlockRemoved([h], medium(s)))
+                out.append(BlockRemoved([h], MEDIA[(s >= host) + (s >= disk)]))
                 parts.append(None)
-            out.append(BlockStored([h], parent, _NO_TOKENS, bs, None, medium(t), None))
-            parts.append(None if tok is None else [tok])
+            out.append(BlockStored([h], parent, _NO_TOKENS if tok is None else tok, bs, None,
+                                   MEDIA[(t >= host) + (t >= disk)], None))
+            parts.append(tok)
 
     def _moves_and_drops(self, srcs: list[int], dsts: list[int], drops: list[Record]) -> None:
         """``_moves`` with the drops that came before and between them, in order."""
@@ -178,15 +183,20 @@ class EventBuilder:
             self._append(BlockRemoved([h], medium), None)
 
     def _stored(self, medium: str, h: int, info: tuple) -> None:
-        """Store block ``h`` of ``info`` (parent, encoded tokens) into ``medium``: it
-        joins the BlockStored before when that one ends with its parent in the same
-        medium and both have tokens."""
+        """Store block ``h`` of ``info`` (parent, token ids) into ``medium``: it joins
+        the BlockStored before when that one ends with its parent in the same medium
+        and both have token ids."""
         parent, tok = info
-        last = self._out[-1] if self._out else None
+        out, parts = self._out, self._parts
+        last = out[-1] if out else None
         if (type(last) is BlockStored and last.medium == medium and tok is not None
-                and parent is not None and last.block_hashes[-1] == parent and self._parts[-1] is not None):
+                and parent is not None and last.block_hashes[-1] == parent and parts[-1] is not None):
             last.block_hashes.append(h)
-            self._parts[-1].append(tok)
+            p = parts[-1]
+            if type(p) is list:
+                p.append(tok)
+            else:
+                parts[-1] = [p, tok]
         else:
-            self._append(BlockStored([h], parent, _NO_TOKENS, self._block_size, None, medium, None),
-                         None if tok is None else [tok])
+            self._append(BlockStored([h], parent, _NO_TOKENS if tok is None else tok, self._block_size,
+                                     None, medium, None), tok)
