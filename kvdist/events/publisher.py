@@ -11,11 +11,12 @@
 * the last ``buffer_steps`` batches are kept for replay (a bounded buffer).
 
 Both sockets bind (kvdist publishes; routers connect). ``submit`` only queues a step's
-records with their sequence number; a background thread builds the events, encodes,
-sends and serves replays, off the step's path. A batch submitted while
-``_MAX_QUEUE`` others wait is dropped and counted: the thread still builds it (the
-builder follows every block through every record) but never sends it, and its number
-stays unused: subscribers see the gap.
+records with their time; a background thread numbers the batches in that order,
+builds the events, encodes, sends and serves replays, off the step's path. A batch
+the thread reaches with ``_MAX_QUEUE`` others queued behind it (the thread has fallen
+that far behind) is dropped and counted: the thread still builds it (the builder
+follows every block through every record) but never sends it, and its number stays
+unused: subscribers see the gap.
 
 The thread is not woken per batch: it wakes every ``period_s`` (or at ``close``),
 publishes every batch queued by then, ``_CHUNK`` batches at a time with the
@@ -33,7 +34,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import count
 
 import zmq
 
@@ -108,26 +108,22 @@ class EventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         # Batches waiting for the thread: appended by the step's thread, taken by the
         # publisher's (a deque's append and popleft are atomic: no lock, no wake).
-        self._queue: deque[tuple[int, float, list[Record], bool]] = deque()
+        self._queue: deque[tuple[float, list[Record]]] = deque()
         self._stop = threading.Event()  # close: wake the thread now, publish what is queued, end
-        self._seq = count()
-        self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
+        self.submitted = 0  # batches queued (to be numbered 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
-        self.dropped = 0  # batches submitted past _MAX_QUEUE waiting: built, never sent
-        self._handled = 0  # batches the thread is done with (sent or not)
+        self.dropped = 0  # batches reached with _MAX_QUEUE queued behind: built, never sent
+        self._handled = 0  # batches the thread is done with (sent or not): the next one's number
         self.replays = 0  # replay requests answered
         self.thread_seconds = 0.0  # CPU time the thread spent publishing (building, encoding, sending)
         self._thread = threading.Thread(target=self._run, name="kvdist-events", daemon=True)
         self._thread.start()
 
     def submit(self, records: list[Record]) -> None:
-        """Queue one step's records as the next batch (never blocks)."""
-        seq = next(self._seq)
-        self.submitted = seq + 1
-        send = seq - self._handled < _MAX_QUEUE
-        if not send:
-            self.dropped += 1
-        self._queue.append((seq, time.time(), records, send))
+        """Queue one step's records as the next batch (never blocks; the least the
+        step's thread can do: the thread numbers it)."""
+        self.submitted += 1
+        self._queue.append((time.time(), records))
 
     def close(self) -> None:
         """Send what is queued, stop the thread, free the sockets (idempotent)."""
@@ -165,7 +161,8 @@ class EventPublisher:
             stopping = stop.wait(self._period_s)
             n = 0
             while pending:
-                self._publish(pack, *pending.popleft())
+                ts, records = pending.popleft()
+                self._publish(pack, self._handled, ts, records, len(pending) < _MAX_QUEUE)
                 n += 1
                 if n % _CHUNK == 0:
                     time.sleep(0)  # the interpreter to the step's thread, if it waits
@@ -179,6 +176,7 @@ class EventPublisher:
         try:
             events = self._build(records)  # every batch: the builder follows the blocks
             if not send:
+                self.dropped += 1
                 return
             payload = pack.encode(KVEventBatch(ts=ts, events=events,
                                                data_parallel_rank=self.data_parallel_rank))
