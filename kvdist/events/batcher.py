@@ -100,7 +100,8 @@ class EventBuilder:
         tpb, skip = self._block_size, self._skip
         for ev, p in zip(out, parts):
             if type(p) is list:
-                ev.token_ids = msgspec.Raw(list_header(len(p) * tpb) + b"".join(memoryview(r)[skip:] for r in p))
+                body = b"".join(memoryview(r)[skip:] for r in p)
+                ev.token_ids = msgspec.Raw(list_header(len(p) * tpb) + body)
         return out
 
     def _append(self, ev: KVCacheEvent, parts: msgspec.Raw | None) -> None:
