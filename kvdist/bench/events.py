@@ -149,7 +149,8 @@ def main(argv: list[str]) -> int:
     print(tabulate(rows, headers=["", "wall µs/step", "step thread CPU µs/step", "added", "overhead",
                                   "publisher thread CPU µs/step"], disable_numparse=True))
     if received is not None:
-        print(f"the subscriber process read {received:,} batches of the {args.repeat} runs (each run binds "
+        print(f"the subscriber process read {received:,} batches of the {2 * args.repeat} runs with a "
+              "publisher (events on and thread idle, whose batches are empty; each run binds "
               "a new socket; what one sends before the subscriber has reconnected is lost to it)")
     overhead = cpu[ON] / cpu[OFF] - 1
     print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:.1f}% "
