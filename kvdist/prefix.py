@@ -28,8 +28,9 @@ __all__ = ["MASK64", "PrefixIndex", "chain_digests", "chain_hashes", "digest_byt
 MASK64 = (1 << 64) - 1
 _digest128 = xxhash.xxh3_128_digest  # big-endian bytes: int.from_bytes(d, "big") is the intdigest
 
-# Fewer keys than this go through the index one by one: a vectorized probe costs a few
-# numpy calls (some µs) before its first key.
+# Fewer keys than this go through the index one by one: a round of a vectorized probe
+# costs a few numpy calls (some µs) whatever the keys; the keys still probing after
+# a round (a long cluster's) finish one by one once fewer than this are left.
 VECTOR_FROM = 32
 
 
@@ -153,7 +154,7 @@ class PrefixIndex:
         found = np.full(n, NO_SLOT, dtype=np.int64)
         pos = (lo & np.uint64(mask)).astype(np.int64)
         todo = np.arange(n)
-        while len(todo):
+        while len(todo) >= VECTOR_FROM:
             s = t[pos[todo]].astype(np.int64)
             full = s != NO_SLOT
             hit = full & (self._lo_a[s] == lo[todo]) & (self._hi_a[s] == hi[todo])
@@ -163,6 +164,14 @@ class PrefixIndex:
             if len(miss):  # rows past the first miss cannot be in the run
                 todo = todo[todo < miss[0]]
             pos[todo] = (pos[todo] + 1) & mask
+        tm, los, his = self._t, self._lo, self._hi
+        for r in todo.tolist():  # the few left, in order, from where they stopped
+            i, key_lo, key_hi = int(pos[r]), int(lo[r]), int(hi[r])
+            while (s := tm[i]) != NO_SLOT and not (los[s] == key_lo and his[s] == key_hi):
+                i = (i + 1) & mask
+            if s == NO_SLOT:
+                break  # the run ends at row r
+            found[r] = s
         out = np.flatnonzero(found == NO_SLOT)
         return found[: out[0] if len(out) else n]
 
@@ -171,10 +180,12 @@ class PrefixIndex:
         t, mask = self._table, self._mask
         pos = (self._lo_a[slots] & np.uint64(mask)).astype(np.int64)
         todo = np.flatnonzero(t[pos] != slots)
-        while len(todo):
+        while len(todo) >= VECTOR_FROM:
             assert (t[pos[todo]] != NO_SLOT).all(), "a slot is not indexed under its hash"
             pos[todo] = (pos[todo] + 1) & mask
             todo = todo[t[pos[todo]] != slots[todo]]
+        for r in todo.tolist():  # the few left, one by one
+            pos[r] = self._position(int(slots[r]))
         return pos
 
     def insert_many(self, slots: np.ndarray) -> np.ndarray:
@@ -193,7 +204,7 @@ class PrefixIndex:
         pos = (lo & np.uint64(mask)).astype(np.int64)
         indexed = np.zeros(n, dtype=bool)
         todo = np.arange(n)
-        while len(todo):
+        while len(todo) >= VECTOR_FROM:
             p = pos[todo]
             s = t[p].astype(np.int64)
             empty = s == NO_SLOT
@@ -209,6 +220,8 @@ class PrefixIndex:
             keep = ~same
             keep[np.flatnonzero(empty)[first]] = False
             todo = todo[keep]
+        for r in todo.tolist():  # the few left, in order (an earlier one of a key wins)
+            indexed[r] = self.insert(int(slots[r]))
         return indexed
 
     def insert(self, slot: int) -> bool:
