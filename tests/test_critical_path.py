@@ -83,14 +83,15 @@ def test_the_readback_compares_steps_in_order_once_their_digests_arrived():
     ledger.admit("w", np.arange(8))
     ledger.admit("r", np.arange(9))
     kv = torch.from_numpy(rng.standard_normal((8, 2, 2, 1, 4)).astype(np.float32))
-    keys, written = ledger.queue_written("w", 0, kv)
+    keys = ledger.queue_written("w", 0, 8)
+    written = ledger.token_digests(kv, ledger.positions([(0, 8)]))  # a share a token
     assert keys == ledger.keys("r", 2)  # the same prefix
     blocks = kv.unflatten(0, (2, 4)).transpose(1, 2).transpose(2, 3).clone()
     blocks[1, 0, 0, 0, 0, 0] += 1.0
     reread = ledger.digest_queued(blocks)
     first, second = _Event(), _Event()
     readback = Readback(ledger)
-    readback.add(StepDigests([], keys, written, done=first, started=first))
+    readback.add(StepDigests([], [("w", 0, 8, keys)], written, done=first, started=first))
     readback.add(StepDigests([("r", keys)], [], reread, done=second, started=second))
     second.completed = True
     assert readback.poll() == 0.0 and len(readback) == 2 and ledger.checked_blocks == 0
@@ -103,11 +104,14 @@ def test_the_readback_compares_steps_in_order_once_their_digests_arrived():
 def test_draining_waits_for_every_queued_step():
     ledger = _ledger()
     ledger.admit("w", np.arange(4))
-    keys, written = ledger.queue_written("w", 0, torch.ones(4, 2, 2, 1, 4))
+    kv = torch.ones(4, 2, 2, 1, 4)
+    keys = ledger.queue_written("w", 0, 4)
+    written = ledger.token_digests(kv, ledger.positions([(0, 4)]))
+    reread = ledger.digest_queued(kv.unflatten(0, (1, 4)).transpose(1, 2).transpose(2, 3))
     first, second = _Event(), _Event()
     readback = Readback(ledger)
-    readback.add(StepDigests([], keys, written, done=first, started=first))
-    readback.add(StepDigests([("w", keys)], [], written.clone(), done=second, started=second))
+    readback.add(StepDigests([], [("w", 0, 4, keys)], written, done=first, started=first))
+    readback.add(StepDigests([("w", keys)], [], reread, done=second, started=second))
     assert readback.drain() == pytest.approx(4e-3) and first.completed and second.completed
     assert len(readback) == 0 and ledger.checked_blocks == 1 and ledger.mismatched_blocks == 0
 
@@ -162,3 +166,46 @@ def test_the_breakdown_moves_the_same_blocks_both_ways():
     assert runs[0].moved == runs[1].moved > 64  # a whole prompt onboarded, most of one offloaded
     for r in runs:
         assert set(r.calls) == set(CALLS) and all(len(v) == 2 for v in r.calls.values())
+
+
+def test_a_step_digests_its_tokens_and_blocks_carry_over_steps_and_release():
+    """Two steps' tokens digested a share a token, steps resolved later in order: a
+    block begun in step 1 and completed in step 2 gets the digest of the whole block
+    (as the cache's blocks are digested when reused), and the partial block of a
+    sequence released before its digests arrived is dropped once they did."""
+    ledger = _ledger()
+    rng = np.random.default_rng(1)
+    kv = torch.from_numpy(rng.standard_normal((14, 2, 2, 1, 4)).astype(np.float32))
+    ledger.admit("a", np.arange(10))
+    ledger.admit("b", np.arange(100, 105))
+    step1 = [("a", 0, 6, ledger.queue_written("a", 0, 6)), ("b", 0, 5, ledger.queue_written("b", 0, 5))]
+    assert ledger.positions([(0, 6), (0, 5)]).tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 0]
+    one = ledger.token_digests(torch.cat([kv[:6], kv[8:13]]), ledger.positions([(0, 6), (0, 5)]))
+    step2 = [("a", 6, 2, ledger.queue_written("a", 6, 2))]
+    two = ledger.token_digests(kv[6:8], ledger.positions([(6, 2)]))
+    assert step2[0][3] == ledger.keys("a", 2)[1:] and ledger.positions([(6, 2)]).tolist() == [2, 3]
+    first, second = _Event(), _Event()
+    readback = Readback(ledger)
+    readback.add(StepDigests([], step1, one, done=first, started=first))
+    readback.add(StepDigests([], step2, two, done=second, started=second))
+    ledger.release("a")
+    ledger.release("b")
+    ledger.check_invariants()
+    first.completed = True
+    readback.poll()
+    ledger.check_invariants()
+    assert ledger.partial_blocks == 1  # a's block 1 waits for step 2; b's partial block dropped
+    second.completed = True
+    readback.poll()
+    ledger.check_invariants()
+    assert ledger.partial_blocks == 0
+    blocks = lambda t: t.unflatten(0, (-1, 4)).transpose(1, 2).transpose(2, 3)  # noqa: E731
+    a_blocks = ledger.digest_queued(blocks(kv[:8])).tolist()
+    b_block = ledger.digest_queued(blocks(kv[8:12])).tolist()
+    ledger.admit("r", np.arange(8))
+    ledger.admit("s", np.arange(100, 104))
+    assert ledger.check_reused("r", a_blocks) == 0 and ledger.check_reused("s", b_block) == 0
+    assert ledger.checked_blocks == 3 and len(ledger.ref) == 3
+    changed = kv[:8].clone()
+    changed[5, 1, 0, 0, 2] += 1.0  # a token of a's block 1, written in step 1
+    assert ledger.check_reused("r", ledger.digest_queued(blocks(changed)).tolist()) == 1

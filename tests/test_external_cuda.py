@@ -48,3 +48,42 @@ def test_saved_blocks_load_into_other_engine_blocks_on_cuda(gather, order, group
         assert worker.finished().loaded == {"b"}
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("kv_dim,hnd", [(None, False), (0, False), (0, True), (1, False)],
+                         ids=["separate-LBNHC", "KV-apart-NHD", "KV-apart-HND", "flashinfer"])
+@pytest.mark.parametrize("layers", [(0, L), (1, 3)], ids=["all", "group"])
+def test_one_kernel_moves_exactly_what_torch_indexing_moves(kv_dim, hnd, layers):
+    """The staged path's kernel (``kvdist/external/kernels.py``) against torch's indexing,
+    per layer, for the layouts whose layers are allocations of their own: the same
+    engine blocks written, the same staged bytes read, no other block touched."""
+    from kvdist.external import ExternalGpuTier
+
+    from .external_kv import split_kv
+    from .test_external_cuda_on_cpu import LAYOUT
+
+    n = 12
+    kv = ([t.cuda() for t in vllm_kv(n, "separate")] if kv_dim is None else
+          [t.cuda() for t in split_kv(n, kv_dim=kv_dim, hnd=hnd)])
+    tier = ExternalGpuTier(LAYOUT, kv, kv_dim=kv_dim or 0)
+    assert tier.one_kernel and not tier.stacked
+    group = range(*layers)
+    blocks = torch.tensor([7, 2, 11, 0, 5], dtype=torch.int64, device="cuda")
+    rows = torch.randint(0, 256, (8, LAYOUT.bytes_per_block), dtype=torch.uint8, device="cuda")
+    expect = [t.clone() for t in kv]
+    reference = ExternalGpuTier(LAYOUT, expect, kv_dim=kv_dim or 0, one_kernel=False)  # a kernel a layer
+    assert not reference.one_kernel
+    tier.scatter(rows[:5], blocks, group)
+    reference.scatter(rows[:5], blocks, group)
+    torch.cuda.synchronize()
+    for a, b in zip(kv, expect):  # bytes: random bytes are NaNs as float16
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    out = torch.zeros_like(rows)
+    ref = torch.zeros_like(rows)
+    tier.stage_out(blocks.flip(0), out[:5], group)
+    reference.stage_out(blocks.flip(0), ref[:5], group)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    lo, hi = LAYOUT.bytes_per_layer * group.start, LAYOUT.bytes_per_layer * group.stop
+    assert torch.equal(out[:5, lo:hi], rows[:5].flip(0)[:, lo:hi])  # what went in comes out
+    assert not out[:5, :lo].any() and not out[:5, hi:].any() and not out[5:].any()

@@ -18,7 +18,7 @@ import torch
 
 from kvdist.blocks import SlotSpace
 from kvdist.external import ExternalGpuTier
-from kvdist.external.cuda import ExternalCudaExecutor
+from kvdist.external.cuda import STAGED_BELOW, ExternalCudaExecutor
 from kvdist.layout import KVLayout
 from kvdist.storage import DiskPool, HostPool
 from kvdist.transfer import TransferEngine
@@ -124,9 +124,10 @@ def test_random_copies_leave_the_bytes_of_a_sequential_replay(fake_cuda, tmp_pat
 def test_auto_stages_pieces_smaller_than_the_copy_engines_full_rate(fake_cuda):
     gpu = ExternalGpuTier(LAYOUT, vllm_kv(4))
     piece = gpu.pieces_of.piece_bytes
-    assert piece == BPB // L
-    staged = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), min_piece=piece + 1)
-    direct = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), min_piece=piece)
+    assert piece == BPB // L and piece < STAGED_BELOW
+    assert ExternalCudaExecutor(gpu, None, None, torch.device("cpu")).gather == "staged"
+    staged = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), staged_below=piece + 1)
+    direct = ExternalCudaExecutor(gpu, None, None, torch.device("cpu"), staged_below=piece)
     assert (staged.gather, direct.gather) == ("staged", "direct")
     rows = ExternalCudaExecutor(ExternalGpuTier(LAYOUT, vllm_kv(4, "BLNHC")), None, None, torch.device("cpu"))
     assert rows.gather == "rows"

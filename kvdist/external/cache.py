@@ -119,7 +119,7 @@ class ExternalCache:
 
             executor: Executor = ExternalCudaExecutor(
                 gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
-                gather=gather, min_piece=self.config.cache.min_copy_piece)
+                gather=gather)
         elif simulate_async(self.config):
             executor = SimExecutor(ExternalCopies(gpu, host, disk), log=seams.batch_log, groups=groups)
         else:

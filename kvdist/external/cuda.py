@@ -19,8 +19,21 @@ of three ways:
   moves them: a batched copy of N entries (a layer group's bytes of each block).
 
 ``auto`` is ``rows`` where it can be, else ``staged`` when a piece is smaller than
-``min_piece`` (the copy engines' full-rate size, ``cache.min_copy_piece``), else
-``direct``. ``scripts/gpu/external_probe.py`` measures them side by side."""
+``STAGED_BELOW``, else ``direct``: measured side by side by
+``scripts/gpu/external_probe.py`` (H200, 2026-12-01, 1 GiB each way, the engine's
+layers allocated one by one, as a fraction of a contiguous pinned copy):
+
+=============  ==============  ===================  ===================
+TP (piece)     block           staged off / on      direct off / on
+=============  ==============  ===================  ===================
+8 (8 KiB)      256 KiB         90% / 92%            19% / 6% (*)
+4 (16 KiB)     512 KiB         89% / 94%            52% / 8%
+2 (32 KiB)     1 MiB           83% / 85%            89% / 90%
+1 (64 KiB)     2 MiB           47–61% / 58%         96% / 96% (*)
+=============  ==============  ===================  ===================
+
+(*) an earlier run the same day, as a fraction of ``bench transfer``'s batched copies
+of whole blocks of the same size (95–99% of the contiguous copy)."""
 
 from __future__ import annotations
 
@@ -36,11 +49,12 @@ from ..transfer.cuda import CudaExecutor
 from ..transfer.executors import BatchLog
 from .tier import ExternalGpuTier
 
-__all__ = ["GATHER_MODES", "STAGE_BYTES", "ExternalCudaExecutor"]
+__all__ = ["GATHER_MODES", "STAGED_BELOW", "STAGE_BYTES", "ExternalCudaExecutor"]
 
 GATHER_MODES = ("auto", "rows", "staged", "direct")
 INDEX_SLOTS = 32  # staging ring slots for the staged path's block ids (one a layer group a batch)
 STAGE_BYTES = 64 << 20  # a stream's staging buffer
+STAGED_BELOW = 32 << 10  # auto: pieces smaller than this go through the staging buffer
 
 
 class ExternalCudaExecutor(CudaExecutor):
@@ -49,11 +63,11 @@ class ExternalCudaExecutor(CudaExecutor):
     def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None,
                  device: torch.device, *, path: str | None = None, disk_threads: int = 2,
                  log: BatchLog | None = None, groups: LayerGroups | None = None, gather: str = "auto",
-                 min_piece: int = 256 << 10, stage_bytes: int = STAGE_BYTES):
+                 staged_below: int = STAGED_BELOW, stage_bytes: int = STAGE_BYTES):
         assert gather in GATHER_MODES, f"gather is one of {GATHER_MODES}, not {gather!r}"
         if gather == "auto":
             gather = ("rows" if gpu.rows is not None else
-                      "staged" if gpu.pieces_of.piece_bytes < min_piece else "direct")
+                      "staged" if gpu.pieces_of.piece_bytes < staged_below else "direct")
         assert gather != "rows" or gpu.rows is not None, "the engine's blocks are not whole rows"
         self.gather = gather  # before CudaExecutor asks for _gpu_rows
         super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
@@ -74,7 +88,8 @@ class ExternalCudaExecutor(CudaExecutor):
         return self.gpu.rows if self.gather == "rows" else self.gpu
 
     def stats(self) -> dict[str, object]:
-        return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked}
+        return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked,
+                "one_kernel": self.gpu.one_kernel}
 
     def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
                    span: tuple[int, int] | None = None, **chunks: int) -> None:
@@ -149,7 +164,7 @@ class ExternalCudaExecutor(CudaExecutor):
                 if free[h] is not None:
                     side.wait_event(free[h])  # the copy of chunk c - 2 has read this half
                 with self._on(side):
-                    self.gpu.gather(idx, buf, layers, at=torch.arange(n, device=self.device))
+                    self.gpu.stage_out(idx, buf[:n], layers)
                 st.wait_event(self._record(side))
                 self.copier.copy(st, part(buf), part(rows), here, a, dst_chunk=chunk)
                 free[h] = self._record(st)

@@ -30,6 +30,7 @@ import torch
 from ..dtypes import torch_dtype
 from ..errors import ConfigError
 from ..layout import EnginePieces, KVLayout
+from . import kernels
 
 __all__ = ["ExternalGpuTier"]
 
@@ -60,7 +61,7 @@ class ExternalGpuTier:
     layer; ``piece_pointers`` the addresses of blocks' pieces (batched copies)."""
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None,
-                 *, kv_dim: int = 0):
+                 *, kv_dim: int = 0, one_kernel: bool = True):
         assert kv_dim in (0, 1), f"kv_dim is 0 (FlashAttention) or 1 (FlashInfer), got {kv_dim}"
         names = list(names) if names is not None else [f"layer {i}" for i in range(len(tensors))]
         if len(tensors) != layout.num_layers:
@@ -112,6 +113,13 @@ class ExternalGpuTier:
         self._block_stride = np.array(block_strides, dtype=np.int64)
         self._stacked = self._stack(tensors)
         self.rows: torch.Tensor | None = self._whole_rows(tensors)
+        # Layers in allocations of their own, on CUDA: one kernel moves every layer of a
+        # group between staged rows and the engine's blocks (``kernels``); else torch's
+        # indexing, a kernel a layer.
+        words = piece % 8 == 0 and not any(x % 8 for x in ptrs + block_strides + piece_strides)
+        self._table = (kernels.LayerTable(ptrs, block_strides, piece_strides, piece, per_layer, self.device)
+                       if one_kernel and words and self._stacked is None and kernels.available(self.device)
+                       else None)
 
     def _whole_rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """``[num_blocks, bytes_per_block]`` uint8 rows when every block's pieces of every
@@ -160,6 +168,9 @@ class ExternalGpuTier:
 
     def scatter(self, rows: torch.Tensor, blocks: torch.Tensor, layers: range) -> None:
         """The pieces of ``layers`` of engine block ``blocks[i]`` <- ``rows[i]``."""
+        if self._table is not None and rows.is_contiguous() and rows.device == self.device:
+            kernels.move_pieces(self._table, rows, blocks, layers, to_engine=True)
+            return
         src = _wide(self.rows_view(rows))
         if self._stacked is not None:
             a, b = layers.start, layers.stop
@@ -167,6 +178,19 @@ class ExternalGpuTier:
             return
         for layer in layers:
             _wide(self._views[layer])[:, blocks] = src[:, layer].transpose(0, 1)
+
+    @property
+    def one_kernel(self) -> bool:
+        """Whether ``scatter`` and ``stage_out`` move a layer group in one kernel."""
+        return self._stacked is not None or self._table is not None
+
+    def stage_out(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range) -> None:
+        """``rows[i]``'s ``layers`` <- the pieces of engine block ``blocks[i]`` (rows on
+        the engine's device, contiguous: the staged path's buffer)."""
+        if self._table is not None:
+            kernels.move_pieces(self._table, rows, blocks, layers, to_engine=False)
+        else:
+            self.gather(blocks, rows, layers, at=torch.arange(len(blocks), device=rows.device))
 
     @staticmethod
     def _bytes(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -201,4 +225,4 @@ class ExternalGpuTier:
     def close(self) -> None:
         """Forget the engine's tensors (the engine frees them)."""
         self._views = []
-        self._stacked = self.rows = None
+        self._stacked = self.rows = self._table = None

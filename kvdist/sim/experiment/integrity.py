@@ -35,11 +35,12 @@ _CHUNK_BYTES = 64 << 20  # bound on the digest's int64 temporaries
 class _SeqKeys:
     tokens: np.ndarray  # int32, every token whose K/V is (or is being) written
     keys: list[bytes] = field(default_factory=list)  # prefix key of each full block
-    tail: torch.Tensor | None = None  # K/V of the partial last block [n, L, 2, H, D]
+    written: int = 0  # tokens whose K/V were written (queued)
 
 
 class BlockLedger:
-    """Reference digests by prefix key; per-sequence keys and partial-block K/V."""
+    """Reference digests by prefix key; per-sequence keys, and the digest shares of each
+    sequence's partial last block (``_open``) until the block completes."""
 
     def __init__(self, layout: KVLayout, device: torch.device, seed: int = 0, defer: bool = False):
         self.tpb = layout.tokens_per_block
@@ -50,6 +51,17 @@ class BlockLedger:
         w = torch.randint(-(1 << 62), 1 << 62, (words,), generator=g, dtype=torch.int64) | 1
         self._weights = w.to(device)
         self._chunk = max(1, _CHUNK_BYTES // (8 * words))
+        # The weights by token: [position in the block, the token's words] (a block is
+        # [layer, K|V, token, head, dim]; a token's words are whole: heads x dim x itemsize
+        # is a multiple of the word).
+        word_bytes = nbytes // words
+        assert layout.num_kv_heads * layout.head_dim * layout.itemsize % word_bytes == 0, "a token's words"
+        per = layout.num_kv_heads * layout.head_dim * layout.itemsize // word_bytes
+        self._token_weights = (w.view(layout.num_layers, 2, self.tpb, per).permute(2, 0, 1, 3)
+                               .reshape(self.tpb, -1).contiguous().to(device))
+        self._token_chunk = max(1, _CHUNK_BYTES // (8 * self._token_weights.shape[1]))
+        self._open: dict[Hashable, int] = {}  # sequence -> digest shares of its partial block
+        self._pending: dict[Hashable, int] = {}  # sequence -> runs queued, not yet recorded
         self.ref: dict[bytes, tuple[int, ...]] = {}
         self.seqs: dict[Hashable, _SeqKeys] = {}
         self.checked_blocks = 0
@@ -139,41 +151,111 @@ class BlockLedger:
         """Record the K/V ``kv [n, L, 2, H, D]`` the model wrote at positions ``start ..``;
         every block they complete gets a reference digest. ``appended`` are decoded
         tokens not yet in the sequence's token list."""
-        keys, digests = self.queue_written(seq_id, start, kv, appended)
-        self.record(keys, digests.tolist())
+        keys = self.queue_written(seq_id, start, len(kv), appended)
+        self.record_tokens([(seq_id, start, len(kv), keys)],
+                           self.token_digests(kv, self.positions([(start, len(kv))])).tolist())
 
-    def queue_written(self, seq_id: Hashable, start: int, kv: torch.Tensor,
-                      appended: np.ndarray | None = None) -> tuple[list[bytes], torch.Tensor]:
-        """``written`` in two halves: the sequence's bookkeeping now, the digests of the
-        blocks completed queued on the device (not waited for). Returns their prefix
-        keys and digests, for ``record`` once the digests are on the host."""
+    def queue_written(self, seq_id: Hashable, start: int, n: int,
+                      appended: np.ndarray | None = None) -> list[bytes]:
+        """The host half of ``written``: the sequence's tokens and prefix keys move on
+        now; returns the prefix keys of the blocks that positions ``start .. start + n``
+        complete. Their digests are ``token_digests``' of the same K/V, summed a block
+        at a time by ``record_tokens`` once they are on the host."""
         sk = self.seqs[seq_id]
         if appended is not None:
             sk.tokens = np.concatenate([sk.tokens, np.asarray(appended, dtype=np.int32)])
             self._extend_keys(sk)
-        first_block = start // self.tpb
-        if start % self.tpb:
-            assert sk.tail is not None and len(sk.tail) == start % self.tpb, "tail out of step"
-            kv = torch.cat([sk.tail, kv])
-        full = len(kv) // self.tpb
-        sk.tail = kv[full * self.tpb:].clone() if len(kv) % self.tpb else None
-        if not full:
-            return [], torch.zeros(0, dtype=torch.int64, device=kv.device)
-        blocks = kv[: full * self.tpb].unflatten(0, (full, self.tpb)).transpose(1, 2).transpose(2, 3)
-        return sk.keys[first_block: first_block + full], self.digest_queued(blocks)
+        # A prefill may begin after a reused prefix (whole blocks), else where the last left off.
+        whole = start % self.tpb == 0 and sk.written % self.tpb == 0
+        assert start == sk.written or (start > sk.written and whole), \
+            f"sequence {seq_id!r} wrote up to {sk.written}, not {start}"
+        sk.written = start + n
+        self._pending[seq_id] = self._pending.get(seq_id, 0) + 1
+        return sk.keys[start // self.tpb: (start + n) // self.tpb]
 
-    def record(self, keys: list[bytes], digests: list[int]) -> None:
-        """The reference digests of written blocks (``queue_written``'s, read back)."""
-        for key, d in zip(keys, digests, strict=True):
-            known = self.ref.get(key)
-            if known is None:
-                self.ref[key] = (d,)
-            elif d not in known:
-                self.ref[key] = (*known, d)
-                self.variants += len(known) == 1
+    def positions(self, runs: list[tuple[int, int]]) -> np.ndarray:
+        """Each token's position in its block, for runs ``(start, n)`` laid end to end."""
+        if not runs:
+            return np.zeros(0, dtype=np.int64)
+        starts = np.array([s for s, _ in runs], dtype=np.int64)
+        lens = np.array([n for _, n in runs], dtype=np.int64)
+        first = np.repeat(np.cumsum(lens) - lens, lens)
+        return (np.repeat(starts, lens) + np.arange(int(lens.sum())) - first) % self.tpb
+
+    def token_digests(self, kv: torch.Tensor, positions: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Per token of ``kv [n, L, 2, H, D]`` its share of its block's digest (its words
+        times the weights of its ``positions`` in the block), an int64 tensor on the
+        device, not waited for: a block's digest is the sum of its tokens' shares (mod
+        2**64), so a step digests every token it wrote in a few kernels, whichever
+        sequences and blocks they belong to."""
+        n = kv.shape[0]
+        out = torch.empty(n, dtype=torch.int64, device=kv.device)
+        if not n:
+            return out
+        pos = positions if isinstance(positions, torch.Tensor) else torch.from_numpy(positions).to(kv.device)
+        words = kv.reshape(n, -1).view(self._word)
+        for lo in range(0, n, self._token_chunk):
+            hi = lo + self._token_chunk
+            out[lo:hi] = (words[lo:hi].to(torch.int64) * self._token_weights[pos[lo:hi]]).sum(dim=1)
+        return out
+
+    def record_tokens(self, runs: list[tuple[Hashable, int, int, list[bytes]]], shares) -> None:
+        """The reference digests of the blocks ``runs`` (``queue_written``'s, in the
+        order they were queued; ``shares``: ``token_digests`` of their tokens end to end,
+        on the host) completed; a block begun in an earlier run is carried over."""
+        shares = np.asarray(shares, dtype=np.int64)
+        at = 0
+        for seq_id, start, n, keys in runs:
+            mine = shares[at: at + n]
+            at += n
+            cut = (-start) % self.tpb  # tokens that end the block begun before this run
+            edges = np.arange(min(cut, n), n, self.tpb) if cut else np.arange(0, n, self.tpb)
+            sums = (np.add.reduceat(mine, np.concatenate([[0], edges]) if cut else edges)
+                    if n else np.zeros(0, dtype=np.int64)).tolist()
+            if sums:
+                sums[0] = _int64(sums[0] + self._open.pop(seq_id, 0))
+            whole = sums[:len(sums) - bool((start + n) % self.tpb)]
+            assert len(whole) == len(keys), "blocks completed out of step with their keys"
+            for key, d in zip(keys, whole):
+                self._record_one(key, d)
+            if (start + n) % self.tpb:
+                self._open[seq_id] = sums[-1]
+            left = self._pending[seq_id] - 1
+            if left:
+                self._pending[seq_id] = left
+            else:
+                del self._pending[seq_id]
+                if seq_id not in self.seqs:  # released: its partial block is never completed
+                    self._open.pop(seq_id, None)
+
+    def _record_one(self, key: bytes, d: int) -> None:
+        known = self.ref.get(key)
+        if known is None:
+            self.ref[key] = (d,)
+        elif d not in known:
+            self.ref[key] = (*known, d)
+            self.variants += len(known) == 1
+
+    @property
+    def partial_blocks(self) -> int:
+        """Sequences whose last block's digest shares are held until it completes."""
+        return len(self._open)
+
+    def check_invariants(self) -> None:
+        """A partial block is held only for a live sequence or one with digests queued."""
+        for seq_id in self._open:
+            assert seq_id in self.seqs or seq_id in self._pending, f"{seq_id!r}'s partial block outlived it"
+        assert all(n > 0 for n in self._pending.values()), "a sequence with no queued digests is pending"
 
     def release(self, seq_id: Hashable) -> None:
         del self.seqs[seq_id]
+        if seq_id not in self._pending:  # else dropped once its last queued digests are recorded
+            self._open.pop(seq_id, None)
+
+
+def _int64(x: int) -> int:
+    """``x`` mod 2**64 as a signed 64-bit value (what the device's int64 sums give)."""
+    return ((x + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
 
 
 def unmatched(deferred: dict[bytes, set[int]], refs: list[dict[bytes, tuple[int, ...]]]) -> list[bytes]:

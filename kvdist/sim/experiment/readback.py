@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.attention import upload
 from ..engine.model import Segment
 from ..engine.scheduler import StepPlan
 from .integrity import BlockLedger
@@ -40,8 +41,8 @@ class StepDigests:
     """One step's digests on their way to the host."""
 
     reused: list[tuple[Hashable, list[bytes]]]  # (sequence, prefix keys of its reused blocks)
-    written: list[bytes]  # prefix keys of the blocks the step completed
-    digests: torch.Tensor  # int64: the reused blocks' in order, then the written ones'
+    written: list[tuple[Hashable, int, int, list[bytes]]]  # (sequence, start, tokens, keys completed)
+    digests: torch.Tensor  # int64: the reused blocks' in order, then each written token's share
     done: torch.cuda.Event | None = None  # CUDA: recorded after the copy into ``digests``
     started: torch.cuda.Event | None = None  # CUDA: recorded before the digests
     host_s: float = 0.0  # their time on the host (a CPU cache)
@@ -81,24 +82,23 @@ def queue_step(cache, ledger: BlockLedger, layers: int, plan: StepPlan, table: t
         per = max(1, _CHUNK_BYTES // cache.layout.bytes_per_block)  # bounded scratch memory
         parts += [ledger.digest_queued(torch.stack([p[rows[lo: lo + per]] for p in pools], dim=1))
                   for lo in range(0, len(rows), per)]
-    keys: list[bytes] = []
-    base, offset = len(plan.prefills), 0
+    runs = []  # (sequence, start, tokens, prefix keys of the blocks they complete)
+    base = len(plan.prefills)
     for k, (seg, run) in enumerate(zip(segs, plan.batch)):
         n = len(seg.tokens)
-        new_keys, digests = ledger.queue_written(run.req.rid, seg.start, written[offset: offset + n],
-                                                 appended=seg.tokens if k >= base else None)
-        if new_keys:
-            keys += new_keys
-            parts.append(digests)
-        offset += n
+        runs.append((run.req.rid, seg.start, n, ledger.queue_written(
+            run.req.rid, seg.start, n, appended=seg.tokens if k >= base else None)))
+    if runs:  # every token the step wrote, its share of its block's digest: a few kernels
+        pos = ledger.positions([(start, n) for _, start, n, _ in runs])
+        parts.append(ledger.token_digests(written[:len(pos)], upload(pos, written.device)))
     dev = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=cache.device)
     if not cuda:
-        return StepDigests(picks, keys, dev, host_s=time.perf_counter() - t0)
+        return StepDigests(picks, runs, dev, host_s=time.perf_counter() - t0)
     host = torch.empty(dev.shape, dtype=torch.int64, pin_memory=True)
     host.copy_(dev, non_blocking=True)
     done = torch.cuda.Event(enable_timing=True)
     done.record()
-    return StepDigests(picks, keys, host, done, started)
+    return StepDigests(picks, runs, host, done, started)
 
 
 class Readback:
@@ -139,5 +139,5 @@ class Readback:
         for seq_id, keys in step.reused:
             self.ledger.check_keys(seq_id, keys, values[at: at + len(keys)])
             at += len(keys)
-        self.ledger.record(step.written, values[at:])
+        self.ledger.record_tokens(step.written, values[at:])
         return step.seconds()
