@@ -123,8 +123,11 @@ class BlockPool:
         self.policy, self.counters = policy, counters
         self.offload_min_priority = offload_min_priority
         # The host tier reuses its oldest free slot first when disk writes may still be
-        # reading the newest (FreeQueue); elsewhere the last freed slot goes first.
-        kinds = (FreeStack, FreeQueue if cap[DISK] else FreeStack, FreeStack)
+        # reading the newest (FreeQueue), and so does the disk tier, whose newest free slot
+        # a promotion's or a reload's read may still be reading (a demotion into it would
+        # wait for that read, and an offload into the demoted host slot for the demotion);
+        # on the GPU the last freed slot goes first.
+        kinds = (FreeStack, FreeQueue if cap[DISK] else FreeStack, FreeQueue)
         self.free = [kinds[t](space.base[t], cap[t]) if cap[t] else None for t in (GPU, HOST, DISK)]
         self.lru = [PriorityLRU(meta) for _ in (GPU, HOST, DISK)]
         # Where a block evicted from tier t may go, in order of preference.

@@ -21,8 +21,9 @@ from .errors import CacheClosedError, ConfigError, ConsistencyError, StepOrderEr
 from .eviction import DEFAULT_PRIORITY
 from .landing import ManagerSlots
 from .layout import KVLayout
+from .loads import DiskLoads
 from .seams import Seams
-from .transfer import SimulatedCompute
+from .transfer import PROMOTE, SimulatedCompute
 
 __all__ = ["KVCache", "create"]
 
@@ -51,8 +52,8 @@ class KVCache:
     ``release``, ``stats`` and the checks work at any time. After ``close()`` every call
     but ``close()`` raises CacheClosedError."""
 
-    __slots__ = ("_check_every", "_checks_passed", "_closed", "_comm", "_in_step", "_init", "_manager",
-                 "_parts", "_remote", "_replicas", "_stager", "config", "device", "init_status",
+    __slots__ = ("_check_every", "_checks_passed", "_closed", "_comm", "_in_step", "_init", "_loads",
+                 "_manager", "_parts", "_remote", "_replicas", "_stager", "config", "device", "init_status",
                  "num_replicas", "rank", "replica", "tiers", "tp_rank", "tp_size", "world_size")
 
     def __init__(self, parts: RankCache, comm, status: InitStatus, init: Committed | None = None,
@@ -70,6 +71,7 @@ class KVCache:
         self.tp_size: int = where.tp_size
         self._manager = parts.manager
         self._stager = parts.stager
+        self._loads = DiskLoads(parts.manager.engine.executor)  # prefetches' disk reads in flight
         self.rank: int = comm.rank
         self.world_size: int = comm.size
         self.init_status: InitStatus = status
@@ -106,10 +108,13 @@ class KVCache:
         plan = manager.plan(seq_id, tokens, priority)  # raises for a bad id, priority or tokens
         remote = self._remote
         if remote is None:
-            return manager.commit(plan)
+            reused = manager.commit(plan)
+            self._loads.forget(seq_id)
+            return reused
         landed = remote.before_add(plan)  # fetches the plan's remote part when it fits
         reused = manager.commit(manager.refresh(plan))  # planned again if fetching changed the cache
         remote.after_add(plan.hashes, landed, reused)
+        self._loads.forget(seq_id)
         return reused
 
     def append_tokens(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
@@ -156,13 +161,20 @@ class KVCache:
         self._in_step = False
         manager.end_step()
         policy = manager.policy
-        # Timing-dependent figures differ per rank: decide from the TP group's (MIN). The
-        # remote tier's agreement rides on that MIN-reduce.
-        figures = policy.local_figures() if policy.enabled and len(self.tiers) > 1 else None
-        agreed = self._remote.end_step(figures) if self._remote is not None else None
-        if figures is not None:
-            policy.agree(agreed if agreed is not None else
-                         self._replicas.tp.allreduce_min(figures, "recompute policy figures"))
+        # Timing-dependent figures differ per rank: decide from the TP group's (MIN): the
+        # recompute policy's, and which prefetches' disk reads every rank has (kvdist.loads).
+        # One MIN-reduce, on which the remote tier's agreement rides.
+        figures = policy.local_figures() if policy.enabled and len(self.tiers) > 1 else []
+        landed = self._loads.local()  # [] when no prefetch waits (alike on every rank)
+        extra = figures + landed if figures or landed else None
+        agreed = self._remote.end_step(extra) if self._remote is not None else None
+        if extra is not None:
+            if agreed is None:
+                agreed = self._replicas.tp.allreduce_min(
+                    extra, "recompute policy figures" if not landed else "step figures and disk loads")
+            if figures:
+                policy.agree(agreed[:len(figures)])
+            self._loads.agree(agreed[len(figures):])
         if self._parts.events is not None:
             self._parts.events.end_step()  # the step's block changes: one batch, sent off the step's path
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
@@ -205,16 +217,23 @@ class KVCache:
         it alike on every TP rank of a replica (same answer on each)."""
         manager = self._live()
         tokens = tokens if isinstance(tokens, list | tuple) else list(tokens)
-        promoted = manager.prefetch(tokens)
+        with manager.engine.collecting(PROMOTE) as reads:
+            promoted = manager.prefetch(tokens)
+        if promoted:  # the same on every TP rank: their caches are equal
+            self._loads.start(seq_id, reads)
         if self._remote is None:
             return promoted
         return promoted + self._remote.prefetch(seq_id, tokens, now=self._in_step)
 
     def prefetch_ready(self, seq_id: Hashable) -> bool:
         """Whether nothing prefetched for ``seq_id`` is still on its way (True for a
-        sequence never prefetched). Changes only at step boundaries, alike on the
-        replica's ranks, so a scheduler can admit on it."""
+        sequence never prefetched): its disk blocks' reads into the host tier are done
+        on every rank of the replica, and its remote blocks landed or were given up. Changes
+        only at step boundaries (``end_step`` agrees it), alike on the replica's ranks, so a
+        scheduler can admit on it: that ``add_sequence`` never waits for the disk."""
         self._live()
+        if self._loads.waiting(seq_id):
+            return False
         return self._remote is None or self._remote.prefetch_ready(seq_id)
 
     def synchronize(self) -> None:
@@ -278,6 +297,10 @@ class KVCache:
             "host_wait_read_seconds": waits.host_wait_read_seconds,  # of which on reloads' reads
             # The compute stream stood still waiting for tier copies (S5).
             "compute_wait_seconds": executor.compute_wait_seconds,
+            # Prefetches whose disk reads a scheduler waited for (prefetch_ready) instead of
+            # blocking on them: sequences started, still waiting, agreements that found one
+            # not landed yet.
+            "disk_loads": self._loads.stats(),
             # Cold hits onboarded vs recomputed because that was faster (recompute_policy).
             "recompute_policy": m.policy.stats(m.has_tier),
             "staging": self._stager.stats(),

@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="configurations compared, comma-separated, among all-tiers, all-tiers-serial, "
                           "gpu+host, gpu-only, no-reuse (default: all-tiers,gpu-only,no-reuse; "
                           "all-tiers-serial joins all-tiers where that runs ahead); for a job of replicas "
-                          "among isolated, sharing, prefix-aware, prefix-aware+sharing, one-cache (default: "
-                          "all of them)")
+                          "among isolated, sharing, prefix-aware, prefix-aware+sharing, one-cache, "
+                          "one-cache-same-batch (default: all but the last)")
     bench = sub.add_parser("bench", help="benchmarks that print figures side by side")
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")

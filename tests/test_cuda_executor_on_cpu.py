@@ -23,7 +23,7 @@ import torch
 from kvdist.blocks import SlotSpace
 from kvdist.layout import KVLayout
 from kvdist.storage import DiskPool, GpuPool, HostPool
-from kvdist.transfer import DEMOTE, OFFLOAD, ONBOARD, RELOAD, TransferEngine
+from kvdist.transfer import DEMOTE, OFFLOAD, ONBOARD, PROMOTE, RELOAD, TransferEngine
 from kvdist.transfer import cuda as cuda_executor
 
 from .test_transfer_engine import _queue, _random_moves
@@ -242,3 +242,38 @@ def test_a_reload_gives_its_bounce_back_while_an_earlier_demotion_is_still_writi
         gate.set()
     ex.synchronize()
     assert ex.stats()["bounces_lent"] == 0
+
+
+def test_polling_a_promotion_never_waits_for_its_read(tiers):
+    """A prefetch's promotion (disk -> host) reads on a worker: ``poll`` answers at once
+    while the read is held (no host wait counted), True once it ran; the onboard that
+    follows it then waits for nothing on the host. With ``poll`` waiting for the read
+    (``is_done`` replaced by ``wait_host``) the held read would hang it, and the gate's
+    assertion fails instead."""
+    caps = (4, 4, 4)
+    (gpu, host, disk), ex, content = tiers(caps, delay_s=0.0)
+    gate, done = threading.Event(), threading.Event()
+    read = disk.read_blocks
+
+    def gated_read(slots, rows):
+        assert gate.wait(10), "the gate was never opened"
+        read(slots, rows)
+        done.set()
+    disk.read_blocks = gated_read
+    try:
+        promotion = ex.submit(PROMOTE, [2], [1], [])
+        assert ex.background_disk
+        for _ in range(3):  # steps go on: each asks, none waits
+            assert ex.poll([promotion]) is False
+        assert ex.counters.host_waits == 0
+    finally:
+        gate.set()
+    assert done.wait(10)
+    deadline = time.monotonic() + 10
+    while not ex.poll([promotion]):
+        assert time.monotonic() < deadline, "the promotion never finished"
+        time.sleep(0.001)
+    ex.submit(ONBOARD, [1], [0], [promotion])
+    assert ex.counters.host_waits == 0  # its read was done: the onboard's S2 wait is none
+    ex.synchronize()
+    assert torch.equal(gpu.raw[0], _pattern(content[sum(caps[:2]) + 2]))

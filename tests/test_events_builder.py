@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("msgspec")
+msgspec = pytest.importorskip("msgspec")
 
+from kvdist.events import prompt_hashes  # noqa: E402
 from kvdist.events.batcher import EventBuilder  # noqa: E402
 from kvdist.events.recorder import BlockRecorder  # noqa: E402
-from kvdist.events.wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from kvdist.events.wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder  # noqa: E402
 from kvdist.layout import KVLayout  # noqa: E402
 from kvdist.manager import CacheManager  # noqa: E402
 from kvdist.transfer.executors import NullExecutor  # noqa: E402
@@ -115,3 +116,33 @@ def test_a_block_computed_again_while_cached_is_stored_once():
     s.step(adds=[("b", blocks(0, 2))], releases=["b"])
     assert [e for e in s.events if type(e) is BlockStored] == stored
     assert s.held == s.content() and len(s.held["GPU"]) == 2
+
+
+WIDE = [0, 127, 128, 255, 256, 65535, 65536, 2**31 - 1, -1, -32, -33, -128, -129, -32768, -32769, -2**31]
+
+
+def test_token_ids_of_every_msgpack_width_survive_moves_and_chained_runs():
+    """The builder sends a block's token ids as the bytes encoded when it was
+    registered (``msgspec.Raw``), alone after a move or joined under one list header in
+    a chained run: decoded, every BlockStored names exactly its blocks' ids, whatever
+    the width each id takes in msgpack (positive and negative fixints, 8, 16 and 32
+    bits)."""
+    s = Stream((6, 2, 3))
+    layout = s.m.layout
+    ids: dict[int, list[int]] = {}
+    prompts = [WIDE[i:] + WIDE[:i] for i in range(0, 16, 3)]  # 16 ids: 4 blocks each
+    for k, p in enumerate(prompts):
+        for i, h in enumerate(prompt_hashes(p, layout)):
+            ids[h] = p[i * TPB:(i + 1) * TPB]
+        s.step(adds=[(k, p[:3 * TPB])])
+        s.step(appends=[(k, p[3 * TPB:] + [7])], releases=[k])
+    assert s.held == s.content()
+    c = s.m.counters
+    assert c.blocks_moved["offload"] > 0 and c.blocks_moved["demote"] > 0, "blocks must move down the tiers"
+    encode, decode = msgspec.msgpack.Encoder().encode, decoder().decode
+    batch = decode(encode(KVEventBatch(ts=0.0, events=s.events, data_parallel_rank=0)))
+    stored = [e for e in batch.events if type(e) is BlockStored]
+    assert {e.medium for e in stored} == set(MEDIA)
+    assert any(len(e.block_hashes) > 1 for e in stored), "a chained run of blocks in one event"
+    for e in stored:
+        assert e.token_ids == [t for h in e.block_hashes for t in ids[h]]

@@ -311,7 +311,8 @@ class RefSeq:
 class RefCache:
     """The cache's bookkeeping, written plainly. Tier ``t`` owns global slots
     ``[base[t], base[t] + capacity[t])``; a free stack per tier (a list, popped at the
-    end), but a queue (first freed, first reused) for the host tier above a disk tier;
+    end), but a queue (first freed, first reused) for the host tier above a disk tier and
+    for the disk tier;
     an eviction order per tier (slot -> (priority, stamp), victim = min)."""
 
     def __init__(self, capacity, tpb, salt, offload_min_priority, enable_reuse):
@@ -319,9 +320,10 @@ class RefCache:
         self.omp, self.reuse = offload_min_priority, enable_reuse
         self.base = (0, capacity[0], capacity[0] + capacity[1])
         self.free = [list(range(b + c - 1, b - 1, -1)) for b, c in zip(self.base, capacity)]
-        self.fifo = [False, bool(capacity[2]), False]
-        if self.fifo[1]:
-            self.free[1] = deque(reversed(self.free[1]))
+        self.fifo = [False, bool(capacity[2]), True]
+        for t in (1, 2):
+            if self.fifo[t]:
+                self.free[t] = deque(reversed(self.free[t]))
         self.order: list[dict[int, tuple[int, int]]] = [{}, {}, {}]
         self.stamp = 0
         self.hash: dict[int, int] = {}  # slot -> hash of its cached block

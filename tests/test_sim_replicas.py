@@ -313,3 +313,79 @@ def test_a_replicated_jobs_compare_names_its_own_configurations(capsys):
     err = capsys.readouterr().err
     assert "option '--configs'" in err
     assert "isolated, sharing, prefix-aware, prefix-aware+sharing, one-cache" in err
+
+
+def _ideal_computed(trace: Trace, routes, tokens_per_block: int) -> list[int]:
+    """Prompt tokens computed per routing of ``routes`` (one array per routing) when every
+    replica keeps every block it ever wrote (no capacity limit): a request reuses the
+    longest prefix its replica saw."""
+    from kvdist.sim.experiment.workload import block_keys
+
+    order = sorted(trace.requests, key=lambda r: r.arrival_s)
+    written = {r.rid: block_keys(np.concatenate([r.prompt, r.output[:-1]]), tokens_per_block) for r in order}
+    out = []
+    for route_of in routes:
+        seen: dict[int, set[bytes]] = {}
+        computed = 0
+        for r in order:
+            keys = written[r.rid][: len(r.prompt) // tokens_per_block]
+            known = seen.setdefault(int(route_of[r.rid]), set())
+            hit = next((i for i, key in enumerate(keys) if key not in known), len(keys))
+            computed += len(r.prompt) - hit * tokens_per_block
+            known.update(written[r.rid])
+        out.append(computed)
+    return out
+
+
+def test_h200_replicas_trace_has_isolated_replicas_recompute_what_the_other_holds():
+    """configs/h200-replicas.yaml: even with caches that forget nothing, round-robin
+    isolated replicas compute over 15% of the prompt tokens more than one cache, nearly
+    all of it whole contexts a user's earlier question left on the other replica (the
+    chat trace it replaced gave 9.8%: the other replica held most of a chat's history;
+    with the tiers' capacities the gap grows, isolated replicas holding contexts twice)."""
+    from pathlib import Path
+
+    cfg = kvdist.load_config(Path(__file__).resolve().parents[1] / "configs" / "h200-replicas.yaml")
+    w, tpb = cfg.workload, cfg.cache.tokens_per_block
+    trace = generate(w)
+    n = len(trace.requests)
+    order = sorted(range(n), key=lambda i: trace.requests[i].arrival_s)
+    rr = np.empty(n, dtype=np.int64)
+    rr[[trace.requests[i].rid for i in order]] = np.arange(n) % 2  # the k-th arrival to replica k mod 2
+    isolated, one = _ideal_computed(trace, [rr, np.zeros(n, dtype=np.int64)], tpb)
+    gap = isolated - one
+    assert gap > 0.15 * trace.prompt_tokens, (gap, trace.prompt_tokens)
+    long_first = sum(1 for r in trace.requests if r.turn == 0)
+    assert long_first < n / 2  # one cache computes most requests' prompts from a short question
+    assert gap > (w.system_prompt_tokens // tpb) * tpb * (n - long_first) / 4  # whole contexts
+
+
+def test_the_ceilings_scale_capacity_and_the_batch_only_where_asked():
+    from pathlib import Path
+
+    from kvdist.sim.experiment.replica_compare import REPLICA_CONFIGS, ceiling_config
+
+    cfg = kvdist.load_config(Path(__file__).resolve().parents[1] / "configs" / "replicas.yaml")
+    w = cfg.workload
+    cap = {"gpu": 160, "host": 4096}
+    both = ceiling_config(cfg, 2, cap, 8192, batch=True)
+    same = ceiling_config(cfg, 2, cap, 8192, batch=False)
+    for c in (both, same):
+        assert (c.cache.gpu.blocks, c.cache.host.bytes) == (320, 2 * 4096 * 8192)
+    limits = [(c.workload.max_batch, c.workload.max_prefill_tokens) for c in (both, same)]
+    assert limits == [(2 * w.max_batch, 2 * w.max_prefill_tokens), (w.max_batch, w.max_prefill_tokens)]
+    assert REPLICA_CONFIGS["one-cache"][2:] == (True, True)
+    assert REPLICA_CONFIGS["one-cache-same-batch"][2:] == (True, False)
+
+
+def test_goal_ratios_divide_the_configurations_that_ran():
+    from kvdist.sim.experiment.replica_compare import goal_ratios
+
+    def run(p50, tps):
+        return {"latency": {"ttft_ms": {"p50": p50}, "prompt_tokens_per_s": tps}}
+
+    runs = {"isolated": run(200.0, 1000.0), "sharing": run(100.0, 1300.0), "one-cache": run(80.0, 1400.0)}
+    got = {g["what"]: (g["ratio"], g["goal"], g["met"]) for g in goal_ratios(runs)}
+    assert got == {"TTFT p50 sharing / isolated": (0.5, "<= 0.6", True),
+                   "TTFT p50 sharing / one-cache": (1.25, "<= 1.15", False),
+                   "prompt tok/s sharing / isolated": (1.3, ">= 1.2", True)}

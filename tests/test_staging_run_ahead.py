@@ -59,8 +59,11 @@ def test_running_ahead_serves_the_trace_as_the_serial_loop_does(tmp_path, monkey
 
 def test_running_ahead_with_the_staging_ring_at_its_minimum_finds_no_bad_blocks(tmp_path, monkeypatch):
     """One staging buffer: every step's table waits for the previous one's queued
-    upload (ring waits), and nothing read through a table is wrong."""
-    serial, _ = _run(tmp_path / "a", monkeypatch, ahead=False)
+    upload (ring waits), and nothing read through a table is wrong. The serial loop it
+    is compared with runs on simulated streams too: there a prefetch's reads run when
+    an end_step polls them, so a request waits a step for them, as on a GPU (with
+    copies done inside each call it never waits)."""
+    serial, _ = _run(tmp_path / "a", monkeypatch, ahead=False, simulate_async=True)
     r, staging = _run(tmp_path / "b", monkeypatch, ahead=True, seams=Seams(staging_slots=1),
                       simulate_async=True)
     assert r["ok"], r["integrity"]
@@ -114,7 +117,10 @@ def test_cuda_running_ahead_with_the_staging_ring_at_its_minimum_finds_no_bad_bl
     serial, ahead = results[False], results[True]
     assert ahead["ok"], ahead["integrity"]
     assert ahead["integrity_mismatches"] == 0 and ahead["integrity"]["logits_failed"] == 0
-    assert {k: ahead[k] for k in SAME} == {k: serial[k] for k in SAME}
+    # On a GPU a request whose prefix is on disk joins the batch once its reads landed,
+    # which the disk's timing decides: the two runs serve the same requests, not
+    # necessarily in the same steps (the CPU tests above compare the steps too).
+    assert ahead["requests"] == serial["requests"] and ahead["prompt_tokens"] == serial["prompt_tokens"]
     assert ahead["critical_path"]["timers"] == "cuda events"
 
 

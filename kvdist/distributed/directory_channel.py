@@ -109,12 +109,17 @@ class DirectoryChannel:
             self._open += 1
         self._reap()
 
-    def counts(self) -> np.ndarray:
+    def counts(self, read_node: bool = True) -> np.ndarray:
         """Per peer: messages this rank has whole, counted from the first ever sent;
-        for a node peer, the epoch it has published in the node directory."""
+        for a node peer, the epoch it has published in the node directory — or, without
+        ``read_node``, the largest count, so that a MIN over the TP group takes the
+        ranks' that read it (one rank reads the directory for the group)."""
         out = self.taken.copy()
         if self.node is not None:
-            self.node.observe(out)
+            if read_node:
+                self.node.observe(out)
+            else:
+                self.node.leave_to_others(out)
         if self._open:
             for peer, box in enumerate(self._inbox):
                 whole = 0

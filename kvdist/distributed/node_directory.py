@@ -204,6 +204,12 @@ class NodeDirectory:
             now = self.published[self._peer_idx].min(axis=1) if self.held is None else self.held
             counts[list(self.peers)] = now
 
+    def leave_to_others(self, counts: np.ndarray) -> None:
+        """Put into ``counts`` the largest epoch for every node peer: this rank does not
+        read the directory's epochs, the TP group's MIN takes another rank's."""
+        if len(self._peer_idx):
+            counts[list(self.peers)] = np.iinfo(counts.dtype).max
+
     def use(self, agreed: np.ndarray) -> None:
         """Read the node peers at the agreed epochs from now on, and say so."""
         if len(self._peer_idx):

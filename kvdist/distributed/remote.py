@@ -124,6 +124,9 @@ class RemoteTier:
         self._progressing = [f for f in self._fetchers if type(f).progress is not Fetcher.progress]
         self.server = server  # the holder's side of the message transport: answers peers
         self.serve = serve  # some peer fetches from this rank by messages (else none asks)
+        # Which ranks read the node directory's published epochs for the agreement: with
+        # R4 the TP group takes the MIN, so TP rank 0 reads and the others leave it to it.
+        self._reads_node = tp.size == 1 or not rules.agree_directory or tp.rank == 0
 
     # -- step boundaries ----------------------------------------------------------------------------
     def service(self, also: list[Batch] = (), directory: bool = True) -> None:
@@ -191,7 +194,7 @@ class RemoteTier:
         ``extra``); decide those blocks; apply the agreed prefix now (``apply``) or keep
         it for the next begin_step."""
         t0 = time.perf_counter()
-        counts = self.channel.counts()
+        counts = self.channel.counts(read_node=self._reads_node)
         agreed_counts, verdicts, agreed_extra = self._agree(counts, self.inflight,
                                                             "remote tier: step agreement", extra)
         t1 = time.perf_counter()

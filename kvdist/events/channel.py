@@ -5,11 +5,14 @@ endpoint that cannot be bound fails the start-up like any other local error."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..config import EventsConfig
 from ..manager import CacheManager
 from .batcher import EventBuilder
 from .publisher import EventPublisher, offset_endpoint
-from .recorder import BlockRecorder
+from .recorder import BlockRecorder, Record
+from .wire import KVCacheEvent
 
 __all__ = ["KVEvents"]
 
@@ -17,13 +20,17 @@ __all__ = ["KVEvents"]
 class KVEvents:
     """Records the manager's block changes and publishes them once per step."""
 
-    def __init__(self, cfg: EventsConfig, replica: int, manager: CacheManager):
+    def __init__(self, cfg: EventsConfig, replica: int, manager: CacheManager,
+                 build: Callable[[list[Record]], list[KVCacheEvent]] | None = None):
+        """``build``: a step's records -> its events, on the publisher's thread (default:
+        an :class:`EventBuilder`'s; ``bench events`` gives one that builds nothing)."""
         replay = cfg.replay_endpoint
-        builder = EventBuilder(manager.space, manager.tpb, manager.salt)
+        if build is None:
+            build = EventBuilder(manager.space, manager.tpb, manager.salt).events
         self.publisher = EventPublisher(
             offset_endpoint(cfg.endpoint, replica, "cache.events.endpoint"),
             None if replay is None else offset_endpoint(replay, replica, "cache.events.replay_endpoint"),
-            cfg.topic, cfg.buffer_steps, replica, builder.events)
+            cfg.topic, cfg.buffer_steps, replica, build)
         self.recorder = BlockRecorder(manager.meta, manager.tpb)
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder

@@ -11,21 +11,29 @@
 * the last ``buffer_steps`` batches are kept for replay (a bounded buffer).
 
 Both sockets bind (kvdist publishes; routers connect). ``submit`` only queues a step's
-records with their sequence number; a background thread builds the events, encodes,
-sends and serves replays, off the step's path. A batch submitted while
-``_MAX_QUEUE`` others wait is dropped and counted: the thread still builds it (the
-builder follows every block through every record) but never sends it, and its number
-stays unused: subscribers see the gap."""
+records with their time; a background thread numbers the batches in that order,
+builds the events, encodes, sends and serves replays, off the step's path. A batch
+the thread reaches with ``_MAX_QUEUE`` others queued behind it (the thread has fallen
+that far behind) is dropped and counted: the thread still builds it (the builder
+follows every block through every record) but never sends it, and its number stays
+unused: subscribers see the gap.
+
+The thread is not woken per batch: it wakes every ``period_s`` (or at ``close``),
+publishes every batch queued by then, ``_CHUNK`` batches at a time with the
+interpreter let go in between, answers the replay requests waiting, and sleeps again.
+A wake per batch made the step thread hand the interpreter over at every step boundary
+(a lock, a futex wake and two switches of the GIL each time): with a thread that did
+nothing at all, that alone cost a step that never lets go of the interpreter 5% of its
+CPU on the dev box (``bench events``, "docs/design.md", "KV cache events"). A batch
+therefore waits at most ``period_s`` plus the work queued before it."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import count
 
 import zmq
 
@@ -38,10 +46,10 @@ __all__ = ["END_SEQ", "EventPublisher", "offset_endpoint"]
 log = logging.getLogger("kvdist.events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_STOP = None
 _MAX_QUEUE = 100_000  # batches waiting for the thread
 _HWM = 100_000  # PUB high-water mark (vLLM's)
-_POLL_S = 0.05  # the thread looks at the replay socket at least this often
+PERIOD_S = 0.02  # the thread publishes what is queued, and answers replays, this often
+_CHUNK = 32  # batches published between two chances for other threads to take the interpreter
 
 
 def offset_endpoint(endpoint: str, replica: int, key: str) -> str:
@@ -77,11 +85,12 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
                  data_parallel_rank: int, build: Callable[[list[Record]], list[KVCacheEvent]],
-                 linger_s: float = 1.0):
+                 linger_s: float = 1.0, period_s: float = PERIOD_S):
         self.data_parallel_rank = data_parallel_rank
         self._build = build  # a step's records -> its events, on the thread (every batch, in order)
         self._topic = topic.encode()
         self._linger_s = linger_s
+        self._period_s = period_s
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -97,35 +106,34 @@ class EventPublisher:
             self._free_sockets()
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C: put costs the step least
-        self._seq = count()
-        self.submitted = 0  # batches numbered (sequence numbers 0 .. submitted-1)
+        # Batches waiting for the thread: appended by the step's thread, taken by the
+        # publisher's (a deque's append and popleft are atomic: no lock, no wake).
+        self._queue: deque[tuple[float, list[Record]]] = deque()
+        self._stop = threading.Event()  # close: wake the thread now, publish what is queued, end
+        self.submitted = 0  # batches queued (to be numbered 0 .. submitted-1)
         self.published = 0  # batches sent (the thread's count)
-        self.dropped = 0  # batches submitted past _MAX_QUEUE waiting: built, never sent
-        self._handled = 0  # batches the thread is done with (sent or not)
+        self.dropped = 0  # batches reached with _MAX_QUEUE queued behind: built, never sent
+        self._handled = 0  # batches the thread is done with (sent or not): the next one's number
         self.replays = 0  # replay requests answered
         self.thread_seconds = 0.0  # CPU time the thread spent publishing (building, encoding, sending)
         self._thread = threading.Thread(target=self._run, name="kvdist-events", daemon=True)
         self._thread.start()
 
     def submit(self, records: list[Record]) -> None:
-        """Queue one step's records as the next batch (never blocks)."""
-        seq = next(self._seq)
-        self.submitted = seq + 1
-        send = seq - self._handled < _MAX_QUEUE
-        if not send:
-            self.dropped += 1
-        self._queue.put((seq, time.time(), records, send))
+        """Queue one step's records as the next batch (never blocks; the least the
+        step's thread can do: the thread numbers it)."""
+        self.submitted += 1
+        self._queue.append((time.time(), records))
 
     def close(self) -> None:
         """Send what is queued, stop the thread, free the sockets (idempotent)."""
         if self._thread is None:
             return
-        self._queue.put(_STOP)
+        self._stop.set()
         self._thread.join(self._linger_s)
         alive, self._thread = self._thread.is_alive(), None
         if alive:  # its sockets stay with it (a socket is one thread's at a time)
-            log.warning("kvdist events: %d batch(es) not sent by close", self._queue.qsize())
+            log.warning("kvdist events: %d batch(es) not sent by close", len(self._queue))
             return
         self._free_sockets()
 
@@ -144,28 +152,31 @@ class EventPublisher:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        """Publish what is queued, then answer the replay requests waiting: a replay
-        holds every batch submitted before its request came."""
+        """Every ``period_s``: publish what is queued, then answer the replay requests
+        waiting (a replay holds every batch submitted before its request came); at
+        ``close``, publish what is left and end."""
         pack = encoder()
-        replay, get = self._replay, self._queue.get
+        replay, pending, stop = self._replay, self._queue, self._stop
         while True:
-            try:
-                item = get(timeout=_POLL_S)
-                while True:
-                    if item is _STOP:
-                        return
-                    self._publish(pack, *item)
-                    item = self._queue.get_nowait()
-            except queue.Empty:
-                pass
+            stopping = stop.wait(self._period_s)
+            n = 0
+            while pending:
+                ts, records = pending.popleft()
+                self._publish(pack, self._handled, ts, records, len(pending) < _MAX_QUEUE)
+                n += 1
+                if n % _CHUNK == 0:
+                    time.sleep(0)  # the interpreter to the step's thread, if it waits
             while replay is not None and replay.poll(0):
                 self._serve_replay(replay)
+            if stopping:
+                return
 
     def _publish(self, pack, seq: int, ts: float, records: list[Record], send: bool) -> None:
         t0 = time.thread_time()
         try:
             events = self._build(records)  # every batch: the builder follows the blocks
             if not send:
+                self.dropped += 1
                 return
             payload = pack.encode(KVEventBatch(ts=ts, events=events,
                                                data_parallel_rank=self.data_parallel_rank))

@@ -53,6 +53,10 @@ class Executor(Protocol):
     simulated_compute: SimulatedCompute | None  # only with simulated streams
     layered: bool  # GPU<->host batches go by layer group: compute waits per layer (S5)
     compute_wait_seconds: float  # time the compute stream stood still at compute_wait
+    # Disk batches run on after ``submit`` returns (CUDA's workers, simulated streams): a
+    # scheduler waits a step for a prefetch's reads (``kvdist.loads``) rather than block on
+    # them. False where ``submit`` itself does the I/O: nothing is ever left to wait for.
+    background_disk: bool
 
     def submit(self, route: Route, src: np.ndarray, dst: np.ndarray, deps: list[Event]) -> Event:
         """Queue the copies ``src[i] -> dst[i]`` (int64 tier-local slots) of one batch
@@ -89,6 +93,12 @@ class Executor(Protocol):
 
     def is_done(self, event: Event | None) -> bool:
         """Whether ``event``'s work has run (None: nothing to wait for)."""
+        ...
+
+    def poll(self, events: list[Event]) -> bool:
+        """Whether all of ``events``' work has run, never blocking the host. A lazy
+        executor (simulated streams) runs it now, unless something it needs is held:
+        a scheduler polling for a load is the moment it is wanted."""
         ...
 
     def wait_host(self, events: list[Event]) -> None:

@@ -55,6 +55,7 @@ class CudaExecutor:
     """Batched asynchronous copies on side streams; ordering is the engine's."""
 
     simulated_compute = None
+    background_disk = True  # disk batches run on worker threads
 
     def __init__(self, gpu: GpuPool, host: HostPool | None, disk: DiskPool | None,
                  device: torch.device, *, path: str | None = None, disk_threads: int = 2,
@@ -440,6 +441,11 @@ class CudaExecutor:
                 self._finish_reload(event)
             return event.gpu_event is None or event.gpu_event.query()
         return event.query()  # a CUDA event or a Grouped one
+
+    def poll(self, events: list[Event]) -> bool:
+        """Whether every one of ``events`` is done (an event query, a future's state:
+        never a wait)."""
+        return all(self.is_done(e) for e in events)
 
     def close(self) -> None:
         """Stop the disk workers (after ``synchronize``)."""

@@ -14,7 +14,8 @@ Rules enforced here (docs/design.md, "Synchronization rules"):
   (the rows of its block tables, ``compute_uses``) waits for the compute stream as it
   was at ``begin_step``; other copies (free GPU slots, host and disk slots) do not, so
   a scheduler running a step ahead moves blocks while the last step's kernels run.
-* S5 — ``before_compute`` submits everything and makes compute wait for it; with
+* S5 — ``before_compute`` submits everything and makes compute wait for every copy
+  touching the GPU tier (copies between host and disk, a prefetch's, are not its); with
   batches copied by layer group (``layered``), compute instead waits before it reads
   each layer (``before_layer``) for the groups holding that layer.
 
@@ -37,12 +38,13 @@ only adds a spurious wait."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..blocks import SlotSpace
+from ..blocks import GPU, SlotSpace
 from .contract import Event, Executor
 from .routes import Route
 
@@ -164,6 +166,7 @@ class TransferEngine:
         self._compute_done = _NONE
         self._compute_event = None
         self._layered = False  # the last before_compute left S5 to before_layer
+        self._collect: tuple[Route, list[Event]] | None = None  # see ``collecting``
         self.stats = TransferStats()
 
     # -- keys ---------------------------------------------------------------------------
@@ -299,8 +302,27 @@ class TransferEngine:
         self._last_read[rk] = bid
         self._last_write[wk] = bid
         self._last_read[wk] = _NONE  # this batch waited for those reads: it stands for them now
-        self._stream_last[route.stream] = ev
+        if route.src == GPU or route.dst == GPU:  # S5: compute waits for these alone
+            self._stream_last[route.stream] = ev
         self.stats.batches += 1
+        if self._collect is not None and self._collect[0] is route:
+            self._collect[1].append(ev)
+
+    @contextmanager
+    def collecting(self, route: Route) -> Iterator[list[Event]]:
+        """The events of the batches along ``route`` submitted inside the ``with``
+        block; on leaving it the open batch of ``route`` is submitted too, so the list
+        covers every copy queued along it by then (a prefetch's promotions: what its
+        admission would wait for)."""
+        assert self._collect is None, "collecting already"
+        got: list[Event] = []
+        self._collect = (route, got)
+        try:
+            yield got
+            if route in self._open:
+                self._flush(route)
+        finally:
+            self._collect = None
 
     def flush(self) -> None:
         """Submit every open batch (they are mutually independent by construction)."""
@@ -334,8 +356,8 @@ class TransferEngine:
         return bool(max(marks[rk].max(initial=_NONE), marks[wk].max(initial=_NONE)) > self._compute_done)
 
     def before_compute(self, layered: bool = False) -> None:
-        """S5: submit every queued copy; the compute stream waits for all of them, now
-        or (``layered``) layer by layer, in ``before_layer``."""
+        """S5: submit every queued copy; the compute stream waits for all of them that
+        touch the GPU tier, now or (``layered``) layer by layer, in ``before_layer``."""
         self.flush()
         self._layered = layered
         if "S5" not in self.rules:

@@ -112,6 +112,7 @@ class SyncExecutor:
 
     compute_wait_seconds = 0.0  # compute is the host: it never waits for a copy
     layered = False  # every copy is done when submitted
+    background_disk = False  # disk I/O runs inside submit
 
     def __init__(self, copies: Copies, log: BatchLog | None = None):
         self.copies = copies
@@ -150,6 +151,10 @@ class SyncExecutor:
 
     @staticmethod
     def is_done(event: Event | None) -> bool:
+        return True
+
+    @staticmethod
+    def poll(events: list[Event]) -> bool:
         return True
 
     def stats(self) -> dict[str, object]:

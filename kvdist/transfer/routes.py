@@ -33,11 +33,13 @@ ONBOARD = Route("onboard", HOST, GPU, "onboard")  # a host hit back into the GPU
 DEMOTE = Route("demote", HOST, DISK, "disk")  # an evicted host block to the disk tier
 SPILL = Route("spill", GPU, DISK, "disk")  # an evicted GPU block to disk (no host tier)
 RELOAD = Route("reload", DISK, GPU, "disk")  # a disk hit back into the GPU tier (a spill's way back)
-PROMOTE = Route("promote", DISK, HOST, "disk")  # a prefetched disk block into the host tier
+# A prefetch's reads run beside the step's own disk work, on a stream of their own: nothing
+# of a step waits for them (its admission waits for them to land, kvdist.loads).
+PROMOTE = Route("promote", DISK, HOST, "promote")  # a prefetched disk block into the host tier
 
 ROUTES = (OFFLOAD, ONBOARD, DEMOTE, SPILL, RELOAD, PROMOTE)
 ROUTE_NAMES = tuple(r.name for r in ROUTES)
-STREAMS = ("offload", "onboard", "disk")
+STREAMS = ("offload", "onboard", "disk", "promote")
 
 # ROUTES indexed [source tier][destination tier]; None where no block ever goes.
 _BETWEEN: tuple[tuple[Route | None, ...], ...] = tuple(

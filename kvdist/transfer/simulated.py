@@ -76,6 +76,7 @@ class SimExecutor:
     """Lazy, adversarial executor over simulated streams; see the module docstring."""
 
     path = "simulated"
+    background_disk = True  # the disk stream's batches run when forced
 
     def __init__(self, copies: Copies | None, log: BatchLog | None = None,
                  groups: LayerGroups | None = None):
@@ -225,6 +226,15 @@ class SimExecutor:
     def is_done(event: SimOp | SimGroups | None) -> bool:
         event = _op(event)
         return event is None or event.done
+
+    def poll(self, events: list) -> bool:
+        """Run ``events`` (and what they follow) now, unless a stream they need is held:
+        then False, what could run having run."""
+        try:
+            self.wait_host(events)
+        except SimDeadlock:
+            return False
+        return True
 
     def queued(self) -> int:
         return sum(not o.done for o in self._queued)

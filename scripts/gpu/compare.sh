@@ -8,7 +8,10 @@
 #      recompute) and of layer-wise onboarding (gated onboard stream, S5 on and off);
 #   2. bench layerwise: a step with 1 GiB of copies each way vs without, by block size, serial and running ahead;
 #   3. capacity: all tiers (running ahead and serial) and GPU only with every request arriving at once (--rate 1000):
-#      prompt tokens/s flat out; the rate of step 4 is 0.7 x GPU-only's requests/s there;
+#      prompt tokens/s flat out; the rate of step 4 is 0.7 x GPU-only's requests/s there. Per configuration it
+#      prints the cache calls a step, the host's waits on disk reads a step (issue 24's goal: none on the GPU's
+#      path: a request whose prefix is on disk waits for its reads, agreed at end_step, instead of the step
+#      blocking), the prefetches admission waited for, and the critical path (GPU idle, the cache on the path);
 #   4. run --compare on configs/h200.yaml (Llama-3-8B, TP=1): all tiers, GPU tier only,
 #      no reuse, the same trace in real time at that rate;
 #   5. the disk tier throttled to $THROTTLE bytes/s (host tier 4 GiB, so the trace hits the
@@ -38,7 +41,17 @@ for name, r in json.load(open(sys.argv[1]))["runs"].items():
     us = lambda d: ", ".join(f"{k} {v / 1e3:.2f}" for k, v in d.items())  # noqa: E731
     print(f"[{name}] ms a step: cache calls {us(r['cache_calls_us_per_step'])}; copies handed to the driver "
           f"{r['copy_entries_per_step']:.0f}, submitted in {us(r['copy_submit_us_per_step'])}; host waits on "
-          f"disk reads {r['host_wait_reads_us_per_step'] / 1e3:.2f}")
+          f"disk reads {r['host_wait_reads_us_per_step'] / 1e3:.2f}, all disk waits {r['host_wait_us_per_step'] / 1e3:.2f} "
+          f"({r['host_waits_on_disk']:,} waits)")
+    loads = r.get("disk_loads") or {}
+    if loads:
+        print(f"[{name}] disk loads: {loads.get('started', 0):,} requests waited for their prefetch's disk reads "
+              f"(admitted the step after they landed), {loads.get('steps_waited', 0):,} step boundaries found "
+              f"one still reading")
+    lat = r.get("latency") or {}
+    if lat:
+        print(f"[{name}] prompt tok/s {lat['prompt_tokens_per_s']:,.0f}; TTFT p50 {lat['ttft_ms']['p50']:.0f} ms "
+              f"(arrival to first token: includes any wait for disk reads), p90 {lat['ttft_ms']['p90']:.0f} ms")
     c = r["critical_path"]
     print(f"[{name}] critical path ({'run ahead' if c['run_ahead'] else 'serial'}, {c['timers']}): step "
           f"{c['step_ms']:.1f} ms, GPU busy {c['gpu_busy_ms']:.1f}, idle {c['gpu_idle_ms']:.1f} ms "
@@ -64,7 +77,7 @@ if has 2; then
 fi
 if has 3 && [ -z "${RATE:-}" ]; then
     echo "== capacity: every request at once"
-    compare capacity --config $CONFIG --compare --configs all-tiers,gpu-only --rate 1000
+    compare capacity --config $CONFIG --compare --configs all-tiers,all-tiers-serial,gpu-only --rate 1000
     RATE=$(python3 -c "import json; r = json.load(open('$O/capacity-results.json'))
 print(round(0.7 * r['runs']['gpu-only']['latency']['requests_per_s'], 1))")
     echo "rate for the comparison: 0.7 x GPU-only's capacity = $RATE requests/s"

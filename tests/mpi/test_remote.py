@@ -109,6 +109,34 @@ def test_node_peers_share_the_node_directory_and_the_others_get_messages(world, 
         r.cache.check_consistency()
 
 
+def test_one_tp_rank_reads_the_node_directorys_epochs_for_its_group(world, monkeypatch):
+    """Shared memory, TP groups: the agreement's MIN takes the node peers' published
+    epochs from TP rank 0 alone (the others put the largest count); the fetcher's
+    ranks still apply the same epochs and reuse the holder's prompt, and R4 keeps them
+    consistent."""
+    if tp_size(world.size) < 2:
+        pytest.skip("needs TP ranks")
+    from kvdist.distributed.node_directory import NodeDirectory
+
+    reads = []
+    observe = NodeDirectory.observe
+    monkeypatch.setattr(NodeDirectory, "observe",
+                        lambda self, counts: (reads.append(1), observe(self, counts)))
+    with _open(world) as r:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            assert r.step({"p": PROMPT}) == {"p": FULL * 4} and r.d.mismatched_tokens == 0
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
+        r.cache.check_consistency()
+        read_any = world.allgather(bool(reads))
+    T = tp_size(world.size)
+    assert read_any == [rank % T == 0 for rank in range(world.size)]
+
+
 @pytest.mark.parametrize("ride", [True, False], ids=["agreed-at-end_step", "agreed-at-begin_step"])
 @pytest.mark.parametrize("inside_a_step", [True, False], ids=["in-step", "between-steps"])
 def test_prefetch_lands_before_admission(world, inside_a_step, ride):

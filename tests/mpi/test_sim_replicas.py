@@ -86,7 +86,8 @@ def test_replicas_in_time_compare_every_configuration(tmp_path_factory):
     world = two_replicas()
     base = Path(shared_dir(tmp_path_factory, "replicas-time"))
     cfg = replicas_cfg(world.size, requests=40, request_rate=50.0, think_steps=2, step_ms=5)
-    r = run_replica_compare(cfg, RunOptions(out=str(base / "runs"), progress=False, configs=()))
+    r = run_replica_compare(cfg, RunOptions(out=str(base / "runs"), progress=False,
+                                            configs=tuple(REPLICA_CONFIGS)))
     assert r["ok"], {n: (run["ok"], run["integrity"]) for n, run in r["runs"].items()}
     assert list(r["runs"]) == list(REPLICA_CONFIGS)
     assert (r["replicas"], r["tp_size"], r["requests_in_trace"]) == (2, world.size // 2, 40)
@@ -97,7 +98,15 @@ def test_replicas_in_time_compare_every_configuration(tmp_path_factory):
         for row in one["replicas"]:
             assert row["tp_identical"] and row["requests"] == row["requests_routed"], (name, row)
     assert runs["isolated"]["routed"] == runs["sharing"]["routed"] == [20, 20]
-    assert runs["one-cache"]["routed"] == [40, 0]
+    assert runs["one-cache"]["routed"] == runs["one-cache-same-batch"]["routed"] == [40, 0]
+    ttft = {name: one["latency"]["ttft_ms"]["p50"] for name, one in runs.items()}
+    tps = {name: one["latency"]["prompt_tokens_per_s"] for name, one in runs.items()}
+    assert {g["what"]: g["ratio"] for g in r["goals"]} == {
+        "TTFT p50 sharing / isolated": ttft["sharing"] / ttft["isolated"],
+        "TTFT p50 sharing / one-cache": ttft["sharing"] / ttft["one-cache"],
+        "TTFT p50 sharing / one-cache-same-batch": ttft["sharing"] / ttft["one-cache-same-batch"],
+        "prompt tok/s sharing / isolated": tps["sharing"] / tps["isolated"],
+        "TTFT p50 prefix-aware+sharing / isolated": ttft["prefix-aware+sharing"] / ttft["isolated"]}
     assert "overlap_blocks" not in runs["isolated"]["router"]
     assert runs["prefix-aware"]["router"]["overlap_blocks"] > 0  # it saw the replicas' events
     assert runs["prefix-aware+sharing"]["router"]["overlap_blocks"] > 0

@@ -7,9 +7,12 @@ parallelism, the trace, the scheduler, the clock, the model) and a ``Reporter``;
 main job (``solo``) and a replica of several (``replica_job``) build different parts
 around the same loop. A step is schedule → run → postprocess (nano-vllm's shape):
 
-- ``_schedule``: ``begin_step`` → the scheduler's plan (a replica's scheduler
-  prefetches arrivals here) → ``add_sequence`` for admitted prompts, ``prefetch`` for
-  the requests next in line (their disk blocks start moving into the host tier),
+- ``_schedule``: ``begin_step`` → the scheduler's plan (its gate, ``admission.PrefetchGate``,
+  prefetches the runnable requests whose GPU blocks it reserves, and admits only those
+  whose prefetch ``cache.prefetch_ready`` says has landed: a request whose prefix must
+  come from disk waits a step or more for its reads, agreed by the ranks, and the step
+  never blocks on them) → ``add_sequence`` for admitted prompts, ``prefetch`` for the
+  requests next in line (their disk blocks start moving into the host tier early),
   ``append_tokens`` for decodes → ``block_table``;
 - ``_run``: the ranks agree (they reused the same prefixes; whether one was asked to
   stop) → the model's forward pass through ``kv_pool`` (one allreduce per layer) →
@@ -39,7 +42,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -50,6 +52,7 @@ from ... import process
 from ...config import CacheConfig
 from ...errors import ConsistencyError
 from ..engine.scheduler import Running, StepPlan
+from .admission import PrefetchGate
 from .checks import CheckCounts, Verifier
 from .clock import Latencies
 from .forward import InFlight, launch, wait
@@ -141,7 +144,10 @@ class Simulation(Generic[R]):
         self.times = StepTimes()
         self.calls = TimedCache(self.cache, self.times)
         self.stop: process.Interrupted | None = None  # a signal every rank agreed to stop on
-        self._prefetched: set[int] = set()  # requests whose disk blocks were looked ahead to
+        # The look-ahead's prefetches go through the scheduler's gate when it has one (each
+        # request once), timed as the step's "prefetch" call either way.
+        self.gate = parts.gate if parts.gate is not None else PrefetchGate(self.calls)
+        self.gate.cache = self.calls
         self._last_update = 0.0  # of the progress bar's figures
         compute = self.cache.simulated_compute
         if parts.run_ahead and compute is not None:  # tables, too, wait on the stream like the passes
@@ -184,19 +190,13 @@ class Simulation(Generic[R]):
             self.ledger.admit(run.req.rid, run.req.prompt)
             self.latency.admitted(run.req, started)
         if self.parts.look_ahead:
-            self.calls.prefetch(self._next_in_line())
+            # The requests next in line: their disk blocks start moving into the host tier
+            # now, so that their admission onboards from host memory whose reads are done.
+            # Once per request; the list is the scheduler's, alike on every rank.
+            for req in self.sched.upcoming():
+                self.gate.prefetch(req)
         self.calls.append_tokens(appends)
         return reused, self.calls.block_table([run.req.rid for run in plan.batch])
-
-    def _next_in_line(self) -> Iterator[tuple[int, list[int]]]:
-        """The requests next in line whose disk blocks start moving into the host tier
-        now, so that their admission onboards from host memory instead of making the
-        host wait for the disk. Once per request; the list is the scheduler's, alike on
-        every rank."""
-        for req in self.sched.upcoming():
-            if req.rid not in self._prefetched:
-                self._prefetched.add(req.rid)
-                yield req.rid, req.prompt.tolist()
 
     def _launch(self, step: _Prepared, *, ahead: bool) -> InFlight:
         """The ranks agree (one allreduce: they reused alike, and whether any was asked

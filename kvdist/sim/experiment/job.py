@@ -13,6 +13,7 @@ from ...config import CacheConfig
 from ..engine.model import Decoder
 from ..engine.parallel import TensorParallel
 from ..engine.scheduler import Scheduler
+from .admission import PrefetchGate
 from .clock import RealTime, StepTime
 from .driver import Simulation
 from .options import RunOptions
@@ -52,12 +53,16 @@ def solo(cfg: CacheConfig, opts: RunOptions, comm=None, *, model: Decoder | None
         try:
             w, trace = cfg.workload, generate(cfg.workload)
             gpu = cache.stats()["capacity_blocks"]["gpu"]
+            # A request whose prefix must come from disk waits for its reads (agreed by the
+            # ranks) instead of the step blocking on them: admission.PrefetchGate.
+            gate = PrefetchGate(cache) if w.wait_for_disk_reads else None
             sched = Scheduler(trace, max_batch=w.max_batch, max_prefill_tokens=w.max_prefill_tokens,
-                              gpu_blocks=gpu, tokens_per_block=cache.layout.tokens_per_block)
+                              gpu_blocks=gpu, tokens_per_block=cache.layout.tokens_per_block, gate=gate)
             placement, model = engine(cfg, cache, tp, comm, model)
             clock = RealTime(cache.device, tp) if realtime else StepTime(cache.device)
             ahead = w.run_ahead if w.run_ahead is not None else cache.device.type == "cuda"
-            parts = RunParts(cache, tp, trace, sched, clock, model, placement, server, run_ahead=ahead)
+            parts = RunParts(cache, tp, trace, sched, clock, model, placement, server, run_ahead=ahead,
+                             gate=gate)
             reporter = JobReporter(cfg, opts, parts, label=label)
         except BaseException:
             tp.free()

@@ -18,6 +18,7 @@ from ...errors import KVDistError
 from ..engine.model import Decoder, Geometry, compute_dtype_for
 from ..engine.parallel import TensorParallel
 from ..engine.scheduler import Scheduler
+from .admission import PrefetchGate
 from .clock import StepTime
 from .metrics import MetricsServer
 from .options import RunOptions
@@ -48,6 +49,9 @@ class RunParts:
     server: MetricsServer | None = None  # rank 0's metrics endpoint
     look_ahead: bool = True  # prefetch for Scheduler.upcoming (False: the scheduler's gate does)
     run_ahead: bool = False  # prepare step N+1 while step N's forward pass runs
+    # The scheduler's gate, when the driver's look-ahead goes through it too (a request
+    # prefetched once; the gate's prefetches timed as the step's "prefetch" call).
+    gate: PrefetchGate | None = None
     # A replica's: the whole job's communicator, through which a replica that stops on a
     # signal tells the others (point to point: no collective spans replicas, R3).
     world: TensorParallel | None = None

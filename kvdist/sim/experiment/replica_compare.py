@@ -15,14 +15,19 @@ they arrive by rank 0's router. The configurations (``REPLICA_CONFIGS``):
   trace; the others idle. Every block computed is visible to every request and none
   is held twice. On one GPU shared by the replicas it has the same compute as they
   have together; with a GPU per replica it has one R-th of theirs (a ceiling of
-  reuse, pessimistic on time).
+  reuse, pessimistic on time);
+- ``one-cache-same-batch`` (on request, ``--configs``): the same with a replica's
+  batch limits. On one GPU the replicas' passes time-share it while ``one-cache``
+  runs one process with twice the batch: this ceiling takes the batch away from it,
+  so what is left between it and the replicas is the cache (and the time-sharing).
 
 The model is built once per replica and shared by the configurations; an untimed
 warm-up serves the trace's first requests before any clock starts. Per configuration:
 TTFT p50/p90/p99, queueing, time per output token, requests and prompt tokens per
 second, reuse by tier, bytes fetched from other replicas and the requests held for
-their fetches, the integrity checks; and the gap in computed prefill isolated -> one
-cache, with how much of it each configuration closed."""
+their fetches, the integrity checks; the gap in computed prefill isolated -> one
+cache, with how much of it each configuration closed; and the goals' ratios
+(``GOALS``) between the configurations that ran."""
 
 from __future__ import annotations
 
@@ -44,17 +49,27 @@ from .replica_time import PolicyMaker, timed_replica
 from .report import check_lines, human_bytes, percent, publish
 from .workload import generate
 
-__all__ = ["REPLICA_CONFIGS", "render", "run_replica_compare"]
+__all__ = ["GOALS", "REPLICA_CONFIGS", "ceiling_config", "goal_ratios", "render", "run_replica_compare"]
 
-# name -> (routing, remote tier on, one replica of R x the capacity)
-REPLICA_CONFIGS: dict[str, tuple[str, bool, bool]] = {
-    "isolated": ("round_robin", False, False),
-    "sharing": ("round_robin", True, False),
-    "prefix-aware": ("kv", False, False),
-    "prefix-aware+sharing": ("kv", True, False),
-    "one-cache": ("one", False, True),
+# name -> (routing, remote tier on, R x a replica's capacity, R x its batch limits)
+REPLICA_CONFIGS: dict[str, tuple[str, bool, bool, bool]] = {
+    "isolated": ("round_robin", False, False, False),
+    "sharing": ("round_robin", True, False, False),
+    "prefix-aware": ("kv", False, False, False),
+    "prefix-aware+sharing": ("kv", True, False, False),
+    "one-cache": ("one", False, True, True),
+    "one-cache-same-batch": ("one", False, True, False),
 }
-DEFAULT = tuple(REPLICA_CONFIGS)
+DEFAULT = ("isolated", "sharing", "prefix-aware", "prefix-aware+sharing", "one-cache")
+# The goals of issues 25 and 26 as ratios of two configurations' figures:
+# (what, numerator, denominator, figure, "<=" or ">=", goal)
+GOALS: tuple[tuple[str, str, str, str, str, float], ...] = (
+    ("TTFT p50 sharing / isolated", "sharing", "isolated", "ttft_p50", "<=", 0.6),
+    ("TTFT p50 sharing / one-cache", "sharing", "one-cache", "ttft_p50", "<=", 1.15),
+    ("TTFT p50 sharing / one-cache-same-batch", "sharing", "one-cache-same-batch", "ttft_p50", "<=", 1.15),
+    ("prompt tok/s sharing / isolated", "sharing", "isolated", "prompt_tokens_per_s", ">=", 1.2),
+    ("TTFT p50 prefix-aware+sharing / isolated", "prefix-aware+sharing", "isolated", "ttft_p50", "<=", 0.5),
+)
 WARM_UP_REQUESTS = 24
 _ANY_PORT = "tcp://127.0.0.1:0"  # events published on loopback, on ports the system picks
 
@@ -71,20 +86,24 @@ def _policy(routing: str) -> PolicyMaker:
     return make
 
 
-def _scaled(cfg: CacheConfig, replicas: int, figures: ReplicaFigures) -> CacheConfig:
-    """``cfg`` with R times a replica's blocks in every tier and R times its batch."""
-    cap, block = figures.figures.stats["capacity_blocks"], figures.figures.stats["block_bytes"]
+def ceiling_config(cfg: CacheConfig, replicas: int, capacity: dict[str, int], block_bytes: int,
+                   batch: bool) -> CacheConfig:
+    """``cfg`` with R times a replica's blocks (``capacity``, per tier) in every tier,
+    and R times its batch limits when ``batch``."""
     w = cfg.workload
-    return cfg.replace(
-        cache={"gpu": {"blocks": replicas * cap["gpu"], "bytes": None, "memory_fraction": None},
-               "host": {"bytes": replicas * cap.get("host", 0) * block},
-               "disk": {"bytes": replicas * cap.get("disk", 0) * block}},
-        workload={"max_batch": replicas * w.max_batch, "max_prefill_tokens": replicas * w.max_prefill_tokens})
+    scaled = cfg.replace(
+        cache={"gpu": {"blocks": replicas * capacity["gpu"], "bytes": None, "memory_fraction": None},
+               "host": {"bytes": replicas * capacity.get("host", 0) * block_bytes},
+               "disk": {"bytes": replicas * capacity.get("disk", 0) * block_bytes}})
+    if not batch:
+        return scaled
+    return scaled.replace(workload={"max_batch": replicas * w.max_batch,
+                                    "max_prefill_tokens": replicas * w.max_prefill_tokens})
 
 
 def _timed(cfg: CacheConfig, name: str, opts: RunOptions, comm, world: TensorParallel, trace, model
            ) -> ReplicaFigures:
-    routing, remote, _ = REPLICA_CONFIGS.get(name, REPLICA_CONFIGS["isolated"])
+    routing, remote = REPLICA_CONFIGS.get(name, REPLICA_CONFIGS["isolated"])[:2]
     run_cfg = cfg.replace(distributed={"remote": {"enabled": remote}})
     if routing == "kv" and not cfg.cache.events.enabled:  # the router subscribes to every replica's events
         run_cfg = run_cfg.replace(cache={"events": {"enabled": True, "endpoint": _ANY_PORT,
@@ -123,10 +142,12 @@ def run_replica_compare(cfg: CacheConfig, opts: RunOptions, comm=None) -> dict:
         first = _timed(warm_cfg, "warm-up", quiet, comm, world, generate(warm_cfg.workload), model)
         trace = generate(cfg.workload)
         parts: dict[str, ReplicaFigures] = {}
+        stats = first.figures.stats
         for name in names:
-            scaled = REPLICA_CONFIGS[name][2]
-            parts[name] = _timed(_scaled(cfg, replicas, first) if scaled else cfg, name, opts, comm, world,
-                                 trace, model)
+            _, _, scaled, batch = REPLICA_CONFIGS[name]
+            run_cfg = ceiling_config(cfg, replicas, stats["capacity_blocks"], stats["block_bytes"], batch) \
+                if scaled else cfg
+            parts[name] = _timed(run_cfg, name, opts, comm, world, trace, model)
             line = world.gather(parts[name], "the configuration's figures")
             if world.rank == 0:
                 print(_one_line(name, _run(line, replicas)), flush=True)
@@ -191,18 +212,36 @@ def assemble(cfg: CacheConfig, trace, everyone: list[dict[str, ReplicaFigures]],
     integrity["tokens_checked"] = integrity["blocks_checked"] * cfg.cache.tokens_per_block
     first = runs[names[0]]
     lead = next(p for p in everyone[0].values())
+    goals = goal_ratios(runs)
     return {
         "ok": all(r["ok"] for r in runs.values()),
         "world_size": len(everyone), "replicas": replicas, "tp_size": len(everyone) // replicas,
         "device": ",".join(sorted(set(lead.placement or []))), "request_rate": cfg.workload.request_rate,
         "requests": first["requests"], "requests_in_trace": len(trace.requests), "prompt_tokens": prompt,
         "runs": runs, "latency": {n: r["latency"] for n, r in runs.items()},
-        "prefill_tokens_computed": computed, "gap": gap,
+        "prefill_tokens_computed": computed, "gap": gap, "goals": goals,
         "reused_tokens": first["reused_tokens"], "integrity_mismatches": integrity["mismatched_blocks"],
         "integrity": integrity, "bytes_offloaded": first["bytes_offloaded"],
         "bytes_onboarded": first["bytes_onboarded"], "steps": first["steps"], "seconds": seconds,
         "config": cfg.normalized(),
     }
+
+
+def goal_ratios(runs: dict[str, dict]) -> list[dict]:
+    """Each goal of ``GOALS`` whose two configurations ran: its ratio and whether it is met."""
+    out = []
+    for what, num, den, figure, sense, goal in GOALS:
+        if num not in runs or den not in runs:
+            continue
+        a, b = (_figure(runs[n]["latency"], figure) for n in (num, den))
+        ratio = a / b if b > 0 else float("nan")
+        out.append({"what": what, "ratio": ratio, "goal": f"{sense} {goal:g}",
+                    "met": ratio <= goal if sense == "<=" else ratio >= goal})
+    return out
+
+
+def _figure(latency: dict, figure: str) -> float:
+    return latency["ttft_ms"]["p50"] if figure == "ttft_p50" else latency[figure]
 
 
 def _one_line(name: str, r: dict) -> str:
@@ -244,6 +283,12 @@ def render(results: dict) -> str:
                      "each configuration computes less than isolated")
     lines.append("held/missed: requests admitted a step or more late for their fetches / blocks looked up "
                  "that were stale or late; one-cache: one replica with R x the capacity and batch serves "
-                 "everything")
+                 "everything (one-cache-same-batch: with a replica's batch limits)")
+    if results.get("goals"):
+        lines.append(tabulate([[g["what"], f"{g['ratio']:.2f}x", g["goal"], "met" if g["met"] else "MISSED"]
+                               for g in results["goals"]], headers=["goal", "ratio", "wanted", ""],
+                              colalign=("left", "right", "left", "left")))
+        lines.append("prompt tok/s below saturation is the rate offered in every configuration: the "
+                     "throughput goal shows only at a rate the isolated replicas cannot keep up with")
     lines.extend(check_lines(results["integrity"], f"in {len(results['runs'])} configurations"))
     return "\n".join(lines)

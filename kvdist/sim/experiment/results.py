@@ -20,7 +20,7 @@ STAT_KEYS = ("hit_tokens", "prompt_tokens", "bytes_offloaded", "bytes_onboarded"
              "blocks_moved", "evictions_by_tier", "transfer_seconds", "bookkeeping_seconds",
              "host_wait_seconds", "host_wait_read_seconds", "host_waits_on_disk", "compute_wait_seconds",
              "recompute_policy", "transfer_path", "capacity_blocks", "block_bytes", "bytes_fetched_remote",
-             "remote_misses")
+             "remote_misses", "disk_loads")
 
 
 @dataclass(slots=True)
@@ -187,6 +187,9 @@ def assemble(f: RunFacts, everyone: list[RankFigures]) -> dict:
         "host_wait_us_per_step": 1e6 * _sum(everyone, "host_wait_seconds") / world / steps,
         "host_wait_reads_us_per_step": 1e6 * _sum(everyone, "host_wait_read_seconds") / world / steps,
         "host_waits_on_disk": _sum(everyone, "host_waits_on_disk"),
+        # Prefetches whose disk reads admission waited for instead of the step (rank 0's:
+        # the TP group agrees them): sequences, and step boundaries that found one not landed.
+        "disk_loads": first["disk_loads"] or {},
         "compute_wait_us_per_step": 1e6 * max(e.stats["compute_wait_seconds"] for e in everyone) / steps,
         "cache_api_us_per_step": 1e6 * sum(e.cache_api_s for e in everyone) / world / steps,
         "cache_calls_us_per_step": {name: 1e6 * sum(e.calls_s[name] for e in everyone) / world / steps

@@ -6,7 +6,7 @@ pause). The step's code reads no timer."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -77,12 +77,12 @@ class TimedCache:
     def add_sequence(self, seq_id: Hashable, tokens: list[int], priority: int) -> int:
         return self._timed("add_sequence", lambda: self.cache.add_sequence(seq_id, tokens, priority))
 
-    def prefetch(self, requests: Iterable[tuple[Hashable, list[int]]]) -> None:
-        """Prefetch each of ``(seq_id, tokens)`` (one figure for all of them)."""
-        def run() -> None:
-            for seq_id, tokens in requests:
-                self.cache.prefetch(seq_id, tokens)
-        self._timed("prefetch", run)
+    def prefetch(self, seq_id: Hashable, tokens: list[int]) -> int:
+        return self._timed("prefetch", lambda: self.cache.prefetch(seq_id, tokens))
+
+    def prefetch_ready(self, seq_id: Hashable) -> bool:
+        """Not timed: a lookup, agreed at ``end_step``."""
+        return self.cache.prefetch_ready(seq_id)
 
     def append_tokens(self, appends: list[tuple[int, int]]) -> None:
         """Append one decoded token to each sequence (one figure for all of them)."""
