@@ -14,7 +14,10 @@ from array import array
 from collections.abc import Hashable
 from typing import NamedTuple
 
+import numpy as np
+
 from .blocks import DISK, GPU, HOST
+from .prefix import digests_to_ints
 
 __all__ = ["AdmissionPlan"]
 
@@ -26,11 +29,11 @@ class AdmissionPlan(NamedTuple):
     seq_id: Hashable
     tokens: array  # int32 token ids (the plan's own copy)
     priority: int
-    hashes: list[int]  # chained hashes of every full block ([] with reuse off)
+    digests: np.ndarray  # [full blocks, 2] uint64: chained hashes (prefix.chain_digests); 0 rows, reuse off
     reusable: int  # leading blocks that may be reused: all full blocks but one leaving no token
     matched: int  # leading blocks cached here in any tier (before the recompute policy's cut)
-    hits: list[int]  # the slots reused, in prompt order (after the cut)
-    hit_tiers: list[int] | None  # the tier of each matched block, when some are not on the GPU
+    hits: np.ndarray  # the int64 slots reused, in prompt order (after the cut)
+    hit_tiers: np.ndarray | None  # the tier of each matched block, when some are not on the GPU
     on_gpu: int  # hits already on the GPU
     need: int  # fresh GPU slots: for the blocks after the hits and for onboarding cold hits
     available: int  # GPU slots that can be had for it (free or evictable, hits aside)
@@ -42,16 +45,19 @@ class AdmissionPlan(NamedTuple):
         return self.need <= self.available
 
     @property
+    def hashes(self) -> list[int]:
+        """The chained hashes of every full block, as 128-bit ints ([] with reuse off)."""
+        return digests_to_ints(self.digests)
+
+    @property
     def remote_hashes(self) -> list[int]:
         """The reusable blocks after the local cached prefix: what another replica
         could supply."""
-        return self.hashes[self.matched:self.reusable]
+        return digests_to_ints(self.digests[self.matched:self.reusable])
 
     def hits_per_tier(self) -> tuple[int, int, int]:
         """Hits reused from each tier (GPU, host, disk)."""
         if self.hit_tiers is None:
             return len(self.hits), 0, 0
-        out = [0, 0, 0]
-        for t in self.hit_tiers[: len(self.hits)]:
-            out[t] += 1
+        out = np.bincount(self.hit_tiers[: len(self.hits)], minlength=3).tolist()
         return out[GPU], out[HOST], out[DISK]

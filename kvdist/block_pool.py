@@ -52,13 +52,23 @@ from .blocks import (
 )
 from .counters import CacheCounters
 from .eviction import DEFAULT_PRIORITY, PriorityLRU
-from .prefix import MASK64, PrefixIndex
+from .prefix import MASK64, VECTOR_FROM, PrefixIndex
 from .recompute_policy import RecomputePolicy
 from .transfer import PROMOTE, Route, TransferEngine, route
 
 __all__ = ["BlockObserver", "BlockPool", "HostObserver", "PoolSnapshot"]
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
+
+
+def _as_list(parts: list) -> list[int]:
+    """The ints of ``parts`` (lists or int arrays), in order, as one list."""
+    if len(parts) == 1:
+        return parts[0] if isinstance(parts[0], list) else parts[0].tolist()
+    out: list[int] = []
+    for p in parts:
+        out.extend(p if isinstance(p, list) else p.tolist())
+    return out
 
 
 class HostObserver(Protocol):
@@ -124,7 +134,10 @@ class BlockPool:
         self._colder = {GPU: [route(GPU, t) for t in (HOST, DISK) if cap[t]],
                         HOST: [route(HOST, DISK)] if cap[DISK] else [], DISK: []}
         self._gpu_end, self._host_end = space.base[HOST], space.base[DISK]
-        self._moves: tuple[list[int], list[int], list[Route]] = ([], [], [])  # src, dst, route
+        # The moves since the last submit_moves, in order: segments of one route each,
+        # lists grown by single moves or int arrays of a run (src, dst).
+        self._moves: list[tuple[Route, list[int] | np.ndarray, list[int] | np.ndarray]] = []
+        self._pending = 0  # moves in them
         self.host_observer: HostObserver | None = None
         self.block_observer: BlockObserver | None = None
         self.generation = 0  # grows with every change (see the module docstring)
@@ -145,25 +158,28 @@ class BlockPool:
         return sum(f.nbytes for f in self.free if f is not None)
 
     # -- sequences' GPU slots ----------------------------------------------------------------------
-    def allocate(self, n: int, priority: int) -> list[int]:
-        """``n`` fresh GPU slots in state ACTIVE, refcount 1, evicting as needed (the
-        moves are handed to the engine). The caller checked ``available(GPU) >= n``."""
+    def allocate(self, n: int, priority: int) -> np.ndarray:
+        """``n`` fresh GPU slots (int64) in state ACTIVE, refcount 1, evicting as needed
+        (the moves are handed to the engine). The caller checked ``available(GPU) >= n``."""
         self.generation += 1
         self.make_free(GPU, n)
         slots = self.free[GPU].pop_many(n)
         meta = self.meta
-        state, ref, prio = meta.state_mv, meta.ref_mv, meta.prio_mv
-        for s in slots:
-            state[s] = ACTIVE
-            ref[s] = 1
-            prio[s] = priority
+        meta.state[slots] = ACTIVE
+        meta.refcnt[slots] = 1
+        meta.prio[slots] = priority
         return slots
 
-    def pin(self, hits: list[int], priority: int) -> None:
-        """Take a prompt's cached prefix out of reach of eviction: a GPU hit gains a
-        reference (and at least ``priority``), leaving its eviction list at the first;
-        a host or disk hit leaves its eviction list (the caller moves it at once)."""
+    def pin(self, hits, priority: int) -> None:
+        """Take a prompt's cached prefix (distinct slots) out of reach of eviction: a GPU
+        hit gains a reference (and at least ``priority``), leaving its eviction list at
+        the first; a host or disk hit leaves its eviction list (the caller moves it at
+        once)."""
         self.generation += 1
+        if len(hits) >= VECTOR_FROM:
+            self._pin_run(np.asarray(hits, dtype=np.int64), priority)
+            return
+        hits = _as_list([hits])
         gpu_end, host_end, lru = self._gpu_end, self._host_end, self.lru
         ref, prio = self.meta.ref_mv, self.meta.prio_mv
         lru_gpu = lru[GPU]
@@ -181,12 +197,39 @@ class BlockPool:
             if slots:
                 lru[tier].remove_many(slots)
 
+    def _pin_run(self, hits: np.ndarray, priority: int) -> None:
+        """``pin`` with numpy (the hits distinct: a prompt's blocks have distinct hashes)."""
+        meta = self.meta
+        on_gpu = hits < self._gpu_end
+        g = hits[on_gpu]
+        if len(g):
+            self.lru[GPU].remove_many(g[meta.refcnt[g] == 0])  # first: the lists go by priority
+            meta.refcnt[g] += 1
+            meta.prio[g] = np.maximum(meta.prio[g], priority)
+        if len(g) < len(hits):
+            cold = hits[~on_gpu]
+            on_disk = cold >= self._host_end
+            self.lru[HOST].remove_many(cold[~on_disk])
+            self.lru[DISK].remove_many(cold[on_disk])
+
     def unpin(self, slots: list[int]) -> None:
-        """Drop one reference from each GPU slot of a released sequence: an unreferenced
-        cached block becomes evictable, the last block first (the tail of a prefix is
-        evicted before the blocks it depends on); any other unreferenced slot is freed."""
+        """Drop one reference from each GPU slot of a released sequence (distinct
+        slots): an unreferenced cached block becomes evictable, the last block first
+        (the tail of a prefix is evicted before the blocks it depends on); any other
+        unreferenced slot is freed."""
         self.generation += 1
         meta = self.meta
+        if len(slots) >= VECTOR_FROM:
+            back = np.asarray(slots, dtype=np.intp)[::-1]
+            ref = meta.refcnt[back] - 1
+            meta.refcnt[back] = ref
+            gone = back[ref == 0]
+            cached = meta.state[gone] == CACHED
+            freed = gone[~cached]
+            meta.state[freed] = FREE
+            self.free[GPU].push_many(freed)
+            self.lru[GPU].push_run(gone[cached])
+            return
         ref, state, free_push = meta.ref_mv, meta.state_mv, self.free[GPU].push
         unreferenced: list[int] = []
         for s in reversed(slots):
@@ -204,6 +247,10 @@ class BlockPool:
         """Index the filled blocks in ``slots`` (hashes in meta) as CACHED; a block
         already indexed in another slot stays private (ACTIVE) here."""
         self.generation += 1
+        if len(slots) >= VECTOR_FROM:
+            at = np.asarray(slots, dtype=np.intp)
+            self.meta.state[at[self.index.insert_many(at)]] = CACHED
+            return
         insert, state = self.index.insert, self.meta.state_mv
         for s in slots:
             if insert(s):
@@ -216,10 +263,12 @@ class BlockPool:
         ends on its free list. The copy reaches the engine at the next ``submit_moves``."""
         self.generation += 1
         meta = self.meta
-        srcs, dsts, routes = self._moves
-        srcs.append(src)
-        dsts.append(dst)
-        routes.append(along)
+        if self._moves and self._moves[-1][0] is along and isinstance(self._moves[-1][1], list):
+            self._moves[-1][1].append(src)
+            self._moves[-1][2].append(dst)
+        else:
+            self._moves.append((along, [src], [dst]))
+        self._pending += 1
         meta.move(src, dst)
         self.index.retarget(src, dst)
         meta.state_mv[dst] = CACHED
@@ -233,56 +282,55 @@ class BlockPool:
         """``move`` of each pair, in order, at once (``batch_moves``); the slots of
         ``srcs`` and ``dsts`` are distinct."""
         if not self.batch_moves or len(srcs) < 2:
-            for s, d in zip(srcs, dsts, strict=True):
+            for s, d in zip(_as_list([srcs]), _as_list([dsts]), strict=True):
                 self.move(s, d, along)
             return
         assert len(srcs) == len(dsts), f"{len(srcs)} sources for {len(dsts)} destinations"
         self.generation += 1
         meta = self.meta
-        m_src, m_dst, m_route = self._moves
-        m_src.extend(srcs)
-        m_dst.extend(dsts)
-        m_route.extend([along] * len(srcs))
-        si, di = np.asarray(srcs, dtype=np.intp), np.asarray(dsts, dtype=np.intp)
+        si, di = np.asarray(srcs, dtype=np.int64), np.asarray(dsts, dtype=np.int64)
+        self._moves.append((along, si, di))
+        self._pending += len(si)
         meta.move_many(si, di)
-        self.index.retarget_many(srcs, dsts)
+        self.index.retarget_many(si, di)
         meta.state[di] = CACHED
         meta.state[si] = FREE
-        self.free[along.src].push_many(srcs)
+        self.free[along.src].push_many(si)
         self.counters.blocks_moved[along.name] += len(srcs)
         if self.host_observer is not None:
-            for s, d in zip(srcs, dsts):
+            for s, d in zip(si.tolist(), di.tolist()):
                 self._host_changed(s, d)
 
     def submit_moves(self) -> None:
-        """Queue the moves made since the last call with the engine, in their order."""
-        srcs, dsts, routes = self._moves
-        if not srcs:
+        """Queue the moves made since the last call with the engine, in their order:
+        each run of one route in one call."""
+        moves = self._moves
+        if not moves:
             return
         t0 = time.perf_counter()
-        if routes.count(routes[0]) == len(routes):
-            self._queue_copies(routes[0], srcs, dsts)
-        else:
-            start = 0
-            for i in range(1, len(routes) + 1):
-                if i == len(routes) or routes[i] is not routes[start]:
-                    self._queue_copies(routes[start], srcs[start:i], dsts[start:i])
-                    start = i
-        if self.block_observer is not None:  # the run, handed over whole: a new one starts
-            self.block_observer.moved(srcs, dsts)
-            self._moves = ([], [], [])
-        else:
-            srcs.clear()
-            dsts.clear()
-            routes.clear()
+        start = 0
+        for i in range(1, len(moves) + 1):
+            if i == len(moves) or moves[i][0] is not moves[start][0]:
+                part = moves[start:i]
+                if len(part) == 1:
+                    self._queue_copies(*part[0])
+                else:
+                    joined = (np.concatenate([np.asarray(m[k], dtype=np.int64) for m in part])
+                              for k in (1, 2))
+                    self._queue_copies(part[0][0], *joined)
+                start = i
+        if self.block_observer is not None:  # the run, handed over whole
+            self.block_observer.moved(_as_list([m[1] for m in moves]), _as_list([m[2] for m in moves]))
+        self._moves = []
+        self._pending = 0
         self.transfer_seconds += time.perf_counter() - t0
 
-    def _queue_copies(self, along: Route, srcs: list[int], dsts: list[int]) -> None:
-        """Copies of one route: ``copy_many`` costs about as much as 24 single copies
-        up front and a quarter of one per copy after that."""
+    def _queue_copies(self, along: Route, srcs, dsts) -> None:
+        """Copies of one route (lists or int arrays): ``copy_many`` costs about as much
+        as 24 single copies up front and a quarter of one per copy after that."""
         if len(srcs) < _COPY_MANY_FROM:
             copy = self.engine.copy
-            for s, d in zip(srcs, dsts):
+            for s, d in zip(_as_list([srcs]), _as_list([dsts])):
                 copy(along, s, d)
         else:
             self.engine.copy_many(along, srcs, dsts)
@@ -359,7 +407,7 @@ class BlockPool:
         if self.host_observer is not None:
             self._host_changed(slot, NO_SLOT)
         if self.block_observer is not None:
-            self.block_observer.dropped(slot, len(self._moves[0]))
+            self.block_observer.dropped(slot, self._pending)
 
     def make_free(self, tier: int, n: int) -> None:
         """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
@@ -432,10 +480,10 @@ class BlockPool:
     def snapshot(self) -> PoolSnapshot:
         return PoolSnapshot(tuple(None if f is None else f.snapshot() for f in self.free),
                             tuple(np.fromiter(iter(lru), dtype=np.int64) for lru in self.lru),
-                            len(self._moves[0]))
+                            self._pending)
 
     def check_invariants(self) -> None:
         """The eviction lists' own links; every move handed to the engine."""
-        assert not self._moves[0], f"{len(self._moves[0])} moves never reached the transfer engine"
+        assert not self._moves, f"{self._pending} moves never reached the transfer engine"
         for lru in self.lru:
             lru.check_invariants()

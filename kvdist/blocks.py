@@ -2,10 +2,10 @@
 
 Every physical slot of every tier has one global id: GPU slots come first, then host,
 then disk, so slot 0 of one tier never aliases slot 0 of another (rule S1). All
-per-block state lives in numpy arrays indexed by that id (about 34 bytes a slot), and
-the hot paths read single entries through memoryviews, which cost a third of numpy's
-scalar indexing. This module knows slots, hashes and reference counts; nothing about
-requests or tensors."""
+per-block state lives in numpy arrays indexed by that id (26 bytes a slot, and up to 8
+more in the eviction lists' arrays); runs of slots are written with numpy, and single
+entries read through memoryviews, which cost a third of numpy's scalar indexing. This
+module knows slots, hashes and reference counts; nothing about requests or tensors."""
 
 from __future__ import annotations
 
@@ -82,9 +82,10 @@ class FreeStack:
         self._items[self._top: self._top + n] = slots
         self._top += n
 
-    def pop_many(self, n: int) -> list[int]:
+    def pop_many(self, n: int) -> np.ndarray:
+        """``pop`` ``n`` times, as an int64 array."""
         assert 0 <= n <= self._top, f"pop_many({n}) with {self._top} free"
-        out = self._items[self._top - n : self._top][::-1].tolist()
+        out = self._items[self._top - n : self._top][::-1].astype(np.int64)
         self._top -= n
         return out
 
@@ -141,9 +142,10 @@ class FreeQueue:
         self._items[at] = slots
         self._count += n
 
-    def pop_many(self, n: int) -> list[int]:
+    def pop_many(self, n: int) -> np.ndarray:
+        """``pop`` ``n`` times, as an int64 array."""
         assert 0 <= n <= self._count, f"pop_many({n}) with {self._count} free"
-        out = self._ordered(n).tolist()
+        out = self._ordered(n).astype(np.int64)
         self._head = (self._head + n) % self.capacity
         self._count -= n
         return out
@@ -161,8 +163,9 @@ class FreeQueue:
 
 class BlockMeta:
     """Arrays indexed by global slot id: chained hash (two uint64), priority,
-    reference count, state, and the prev/next links that the eviction lists thread
-    through. ``*_mv`` are memoryviews of the same arrays for scalar access."""
+    reference count, state, and the slot's index in its eviction list's array
+    (``lru_pos``, NO_SLOT when in none; see :mod:`kvdist.eviction`). ``*_mv`` are
+    memoryviews of the same arrays for scalar access."""
 
     def __init__(self, total_slots: int):
         n = total_slots
@@ -171,20 +174,18 @@ class BlockMeta:
         self.prio = np.zeros(n, dtype=np.uint8)
         self.refcnt = np.zeros(n, dtype=np.int32)
         self.state = np.zeros(n, dtype=np.uint8)
-        self.prev = np.full(n, NO_SLOT, dtype=np.int32)
-        self.next = np.full(n, NO_SLOT, dtype=np.int32)
+        self.lru_pos = np.full(n, NO_SLOT, dtype=np.int32)
         self.hi_mv = memoryview(self.hash_hi)
         self.lo_mv = memoryview(self.hash_lo)
         self.prio_mv = memoryview(self.prio)
         self.ref_mv = memoryview(self.refcnt)
         self.state_mv = memoryview(self.state)
-        self.prev_mv = memoryview(self.prev)
-        self.next_mv = memoryview(self.next)
+        self.lru_pos_mv = memoryview(self.lru_pos)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.hash_hi, self.hash_lo, self.prio, self.refcnt,
-                                      self.state, self.prev, self.next))
+                                      self.state, self.lru_pos))
 
     def move_many(self, srcs: np.ndarray, dsts: np.ndarray) -> None:
         """``move`` for each pair (the slots of ``dsts`` distinct from those of ``srcs``)."""

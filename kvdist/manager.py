@@ -35,7 +35,7 @@ from .counters import CacheCounters
 from .errors import OutOfBlocksError
 from .eviction import DEFAULT_PRIORITY, NUM_PRIORITIES, PriorityLRU
 from .layout import KVLayout
-from .prefix import MASK64, PrefixIndex, chain_hashes, digest_bytes
+from .prefix import PrefixIndex, chain_digests, chain_hashes
 from .recompute_policy import RecomputePolicy
 from .sequences import Sequence, token_array
 from .staging import TableRows
@@ -50,6 +50,8 @@ __all__ = ["DEMOTE_BATCH_BYTES", "AdmissionPlan", "CacheCounters", "CacheManager
 # slots waits for its whole batch, so the engine cuts demotions into batches of about this
 # size, written in order, and each slot is free again once its own batch is on disk.
 DEMOTE_BATCH_BYTES = 32 << 20
+
+_NO_DIGESTS = np.empty((0, 2), dtype=np.uint64)  # a plan's digests with reuse off
 
 
 class CacheManager:
@@ -131,20 +133,20 @@ class CacheManager:
         """The chained hashes of the full blocks of the int32 token ids ``tok``."""
         return chain_hashes(self.salt, memoryview(tok).cast("B"), 0, len(tok) // self.tpb, self.tpb)
 
-    def _tiers_of(self, slots: list[int]) -> list[int]:
-        """The tier of each slot."""
-        gpu_end, host_end = self.space.base[HOST], self.space.base[DISK]
-        return [GPU if s < gpu_end else HOST if s < host_end else DISK for s in slots]
+    def _digests(self, tok: array) -> np.ndarray:
+        """``block_hashes`` as ``chain_digests`` rows (hash halves), computed in one pass."""
+        return chain_digests(self.salt, memoryview(tok).cast("B"), 0, len(tok) // self.tpb, self.tpb)
 
-    def _reusable_prefix(self, hashes: list[int], n_tokens: int) -> tuple[list[int], list[int] | None, int]:
-        """(the slots of the cached prefix worth reusing: the recompute policy's cut; the
-        tier of each matched block, None when all are on the GPU; blocks matched)
-        for a prompt of ``n_tokens`` whose full blocks hash to ``hashes``."""
-        hits = self.index.match(hashes[: max(n_tokens - 1, 0) // self.tpb]) if hashes else []
-        gpu_end = self.space.base[HOST]
-        if all(s < gpu_end for s in hits):
+    def _reusable_prefix(self, digests: np.ndarray,
+                         n_tokens: int) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """(the int64 slots of the cached prefix worth reusing: the recompute policy's
+        cut; the tier of each matched block, None when all are on the GPU; blocks
+        matched) for a prompt of ``n_tokens`` whose full blocks hash to ``digests``."""
+        hits = self.index.match_digests(digests[: max(n_tokens - 1, 0) // self.tpb])
+        base = self.space.base
+        if not len(hits) or hits.max() < base[HOST]:
             return hits, None, len(hits)
-        tiers = self._tiers_of(hits)
+        tiers = (hits >= base[HOST]).astype(np.int64) + (hits >= base[DISK])
         return hits[: self.policy.cut(tiers)], tiers, len(hits)
 
     # -- the step API ----------------------------------------------------------------------------
@@ -177,8 +179,8 @@ class CacheManager:
             raise ValueError(f"sequence {seq_id!r} has no tokens")
         # Every full block's hash at once: the leading ones find the reusable prefix, the
         # rest go into their fresh slots' meta at commit and into the index at end_step.
-        hashes = self.block_hashes(tok) if self.enable_reuse else []
-        plan = self._plan(seq_id, tok, priority, hashes)
+        digests = self._digests(tok) if self.enable_reuse else _NO_DIGESTS
+        plan = self._plan(seq_id, tok, priority, digests)
         self.bookkeeping_seconds += time.perf_counter() - t0
         return plan
 
@@ -188,21 +190,18 @@ class CacheManager:
         if plan.generation == self.generation:
             return plan
         t0 = time.perf_counter()
-        out = self._plan(plan.seq_id, plan.tokens, plan.priority, plan.hashes)
+        out = self._plan(plan.seq_id, plan.tokens, plan.priority, plan.digests)
         self.bookkeeping_seconds += time.perf_counter() - t0
         return out
 
-    def _plan(self, seq_id: Hashable, tok: array, priority: int, hashes: list[int]) -> AdmissionPlan:
+    def _plan(self, seq_id: Hashable, tok: array, priority: int, digests: np.ndarray) -> AdmissionPlan:
         n = len(tok)
-        hits, tiers, matched = self._reusable_prefix(hashes, n)
-        gpu_end, ref = self.space.base[HOST], self.meta.ref_mv
-        on_gpu = pinned = 0  # GPU hits, and those of them counted as evictable now
-        for s in hits:
-            if s < gpu_end:
-                on_gpu += 1
-                pinned += ref[s] == 0
-        return AdmissionPlan(seq_id, tok, priority, hashes, max(n - 1, 0) // self.tpb if hashes else 0,
-                             matched, hits, tiers, on_gpu, -(-n // self.tpb) - on_gpu,
+        hits, tiers, matched = self._reusable_prefix(digests, n)
+        on_gpu = hits if tiers is None else hits[hits < self.space.base[HOST]]
+        pinned = int((self.meta.refcnt[on_gpu] == 0).sum())  # GPU hits counted as evictable now
+        reusable = max(n - 1, 0) // self.tpb if len(digests) else 0
+        return AdmissionPlan(seq_id, tok, priority, digests, reusable, matched, hits, tiers,
+                             len(on_gpu), -(-n // self.tpb) - len(on_gpu),
                              self.pool.available(GPU) - pinned, self.generation)
 
     def commit(self, plan: AdmissionPlan) -> int:
@@ -223,40 +222,39 @@ class CacheManager:
         pool.pin(hits, priority)  # first, so the cascade below cannot evict them
         fresh = pool.allocate(plan.need, priority)
         self.counters.hit_tokens[GPU] += plan.on_gpu * tpb
-        slots = hits + fresh if plan.on_gpu == len(hits) else self._onboard(hits, fresh, priority)
-        hashes = plan.hashes
-        hi, lo = self.meta.hi_mv, self.meta.lo_mv
-        for i in range(len(hits), len(hashes)):
-            h, s = hashes[i], slots[i]
-            hi[s] = h >> 64
-            lo[s] = h & MASK64
-        parent = digest_bytes(hashes[-1]) if hashes else self.salt
-        seq = Sequence(plan.seq_id, plan.tokens, slots, priority, len(hashes), parent, len(hits))
+        if plan.on_gpu == len(hits):
+            slots = np.concatenate((hits, fresh))
+        else:
+            slots = self._onboard(hits, fresh, priority)
+        digests, k = plan.digests, len(hits)
+        if len(digests) > k:  # the fresh blocks' hashes, into their slots' meta
+            self._write_hashes(slots[k:len(digests)], digests[k:])
+        parent = digests[-1].tobytes() if len(digests) else self.salt
+        seq = Sequence(plan.seq_id, plan.tokens, slots.tolist(), priority, len(digests), parent, k)
         self.seqs[seq.seq_id] = self._dirty[seq.seq_id] = seq
         self.counters.prompt_tokens += len(plan.tokens)
         self.bookkeeping_seconds += time.perf_counter() - t0
         return len(hits) * tpb
 
-    def _onboard(self, hits: list[int], fresh: list[int], priority: int) -> list[int]:
-        """The prompt's slots: GPU hits as they are, host and disk hits moved into the
-        first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
-        h = np.asarray(hits, dtype=np.int64)
+    def _onboard(self, h: np.ndarray, fresh: np.ndarray, priority: int) -> np.ndarray:
+        """The prompt's slots: GPU hits ``h`` as they are, host and disk hits moved into
+        the first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
         cold = h >= self.space.base[HOST]
         k = int(cold.sum())
         slots = h.copy()
         slots[cold] = fresh[:k]  # in prompt order
         on_disk = h >= self.space.base[DISK]
         for tier, pick in ((HOST, cold & ~on_disk), (DISK, on_disk)):  # no slot in both runs: order is free
-            srcs = h[pick].tolist()
-            if srcs:
+            srcs = h[pick]
+            if len(srcs):
                 self.counters.hit_tokens[tier] += len(srcs) * self.tpb
                 # The destinations keep the reference allocate gave them.
-                self.pool.move_run(srcs, slots[pick].tolist(), route(tier, GPU))
-        moved = np.asarray(fresh[:k], dtype=np.int64)
+                self.pool.move_run(srcs, slots[pick], route(tier, GPU))
+        moved = fresh[:k]
         prio = self.meta.prio
         prio[moved] = np.maximum(prio[moved], priority)
         self.pool.submit_moves()
-        return slots.tolist() + fresh[k:]
+        return np.concatenate((slots, fresh[k:]))
 
     def prefetch(self, tokens: Iterable[int]) -> int:
         """Move the disk blocks of a prompt's reusable cached prefix (as ``add_sequence``
@@ -270,10 +268,10 @@ class CacheManager:
             return 0
         t0 = time.perf_counter()
         tok = token_array(tokens)
-        hits, tiers, _ = self._reusable_prefix(self.block_hashes(tok), len(tok))
-        if tiers is None or DISK not in tiers:
+        hits, tiers, _ = self._reusable_prefix(self._digests(tok), len(tok))
+        if tiers is None or not (tiers == DISK).any():
             return 0
-        promoted = self.pool.promote([(s, t) for s, t in zip(hits, tiers) if t != GPU])
+        promoted = self.pool.promote([(s, t) for s, t in zip(hits.tolist(), tiers.tolist()) if t != GPU])
         self.bookkeeping_seconds += time.perf_counter() - t0
         return promoted
 
@@ -287,7 +285,7 @@ class CacheManager:
             available = self.pool.available(GPU)
             if need > available:
                 raise OutOfBlocksError(need, available, f"appending to sequence {seq_id!r}")
-            seq.slots.extend(self.pool.allocate(need, seq.priority))
+            seq.slots.extend(self.pool.allocate(need, seq.priority).tolist())
         seq.tokens.extend(tok)
         self._dirty[seq_id] = seq
         self.bookkeeping_seconds += time.perf_counter() - t0
@@ -341,18 +339,22 @@ class CacheManager:
         full = len(seq.tokens) // self.tpb
         slots = seq.slots
         if full > seq.num_hashed:  # blocks filled by decode: hash them now
-            hashes = chain_hashes(seq.parent, memoryview(seq.tokens).cast("B"), seq.num_hashed,
-                                  full - seq.num_hashed, self.tpb)
-            hi, lo = self.meta.hi_mv, self.meta.lo_mv
-            for h, s in zip(hashes, slots[seq.num_hashed : full]):
-                hi[s] = h >> 64
-                lo[s] = h & MASK64
+            digests = chain_digests(seq.parent, memoryview(seq.tokens).cast("B"), seq.num_hashed,
+                                    full - seq.num_hashed, self.tpb)
+            self._write_hashes(slots[seq.num_hashed : full], digests)
             seq.num_hashed = full
-            seq.parent = digest_bytes(hashes[-1])
+            seq.parent = digests[-1].tobytes()
         self.pool.register(slots[seq.num_indexed : full])
         if self.pool.block_observer is not None:
             self.pool.block_observer.registered(slots, seq.tokens, seq.num_indexed, full)
         seq.num_indexed = full
+
+    def _write_hashes(self, slots, digests: np.ndarray) -> None:
+        """Each of ``slots`` (a list or an int array) holds the block of the same row of
+        ``digests``."""
+        at = np.asarray(slots, dtype=np.int64)
+        self.meta.hash_lo[at] = digests[:, 0]
+        self.meta.hash_hi[at] = digests[:, 1]
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence is done. Its full blocks stay cached (evictable); the rest are

@@ -35,19 +35,17 @@ class ManagerState:
 
 def state_digest(m: ManagerState) -> bytes:
     """xxh3-128 of the state that decides this cache's future behaviour: capacities,
-    each slot's state, refcount and (when live) priority and hash, the eviction-list
-    links, the free lists, the prefix index and the sequences. Ranks fed the same
+    each slot's state, refcount and (when live) priority and hash, the eviction lists'
+    order, the free lists, the prefix index and the sequences. Ranks fed the same
     request stream have equal digests (``KVCache.check_consistency``). O(slots)."""
     meta = m.meta
     live = meta.state != FREE
-    # Dead slots keep stale hashes/priorities/links; only what is live is compared.
-    listed = (meta.state == CACHED) & (meta.refcnt == 0)
+    # Dead slots keep stale hashes/priorities; only what is live is compared.
     h = xxhash.xxh3_128()
     h.update(np.asarray(m.space.capacity, dtype=np.int64))
     for a in (meta.state, meta.refcnt, np.where(live, meta.prio, 0),
               np.where(live, meta.hash_hi, 0), np.where(live, meta.hash_lo, 0),
-              np.where(listed, meta.prev, NO_SLOT), np.where(listed, meta.next, NO_SLOT),
-              np.sort(m.index.slots())):
+              np.sort(m.index.slots()), *m.pool.lru):
         h.update(np.ascontiguousarray(a))
     for free in m.pool.free:
         if free is not None:
@@ -91,6 +89,8 @@ def check_invariants(m: ManagerState) -> None:
             f"{TIER_NAMES[t]}: eviction list holds a referenced or uncached slot"
         unref_cached = ((state[lo:hi] == CACHED) & (ref[lo:hi] == 0)).sum()
         assert unref_cached == len(in_lru), f"{TIER_NAMES[t]}: cached slot missing from lru"
+    listed = (state == CACHED) & (ref == 0)
+    assert np.array_equal(meta.lru_pos != NO_SLOT, listed), "a slot's lru_pos disagrees with its lists"
     m.index.check_invariants()
     indexed = np.sort(m.index.slots())
     assert np.array_equal(indexed, np.flatnonzero(state == CACHED)), "index != CACHED slots"

@@ -22,8 +22,16 @@ import xxhash
 
 from .blocks import NO_SLOT, BlockMeta
 
+__all__ = ["MASK64", "PrefixIndex", "chain_digests", "chain_hashes", "digest_bytes", "digests_to_ints",
+           "split", "token_bytes"]
+
 MASK64 = (1 << 64) - 1
-_hash128 = xxhash.xxh3_128_intdigest
+_digest128 = xxhash.xxh3_128_digest  # big-endian bytes: int.from_bytes(d, "big") is the intdigest
+
+# Fewer keys than this go through the index one by one: a round of a vectorized probe
+# costs a few numpy calls (some µs) whatever the keys; the keys still probing after
+# a round (a long cluster's) finish one by one once fewer than this are left.
+VECTOR_FROM = 32
 
 
 def token_bytes(tokens) -> memoryview:
@@ -34,19 +42,41 @@ def token_bytes(tokens) -> memoryview:
         raise ValueError("token ids must fit in int32") from None
 
 
+def _chain(parent: bytes, tok, first_block: int, n_blocks: int, tokens_per_block: int) -> list[bytes]:
+    """The little-endian 16-byte digests of the blocks (see ``chain_hashes``): one
+    xxh3 call a block on a slice of one bytes copy of the tokens, the parent reversed
+    from the canonical (big-endian) digest, no int built per block."""
+    stride = 4 * tokens_per_block
+    start = first_block * stride
+    data = bytes(tok[start: start + n_blocks * stride])
+    out: list[bytes] = []
+    append, h = out.append, _digest128
+    for off in range(0, n_blocks * stride, stride):
+        parent = h(parent + data[off: off + stride])[::-1]
+        append(parent)
+    return out
+
+
 def chain_hashes(parent: bytes, tok: memoryview, first_block: int, n_blocks: int,
                  tokens_per_block: int) -> list[int]:
     """Hashes (128-bit ints) of blocks ``first_block .. first_block+n_blocks-1`` of a
     token stream, chained from ``parent`` (the digest of the block before)."""
-    stride = 4 * tokens_per_block
-    out = []
-    off = first_block * stride
-    for _ in range(n_blocks):
-        h = _hash128(parent + tok[off : off + stride])
-        out.append(h)
-        parent = h.to_bytes(16, "little")
-        off += stride
-    return out
+    return [int.from_bytes(d, "little") for d in _chain(parent, tok, first_block, n_blocks, tokens_per_block)]
+
+
+def chain_digests(parent: bytes, tok: memoryview, first_block: int, n_blocks: int,
+                  tokens_per_block: int) -> np.ndarray:
+    """``chain_hashes`` as a ``[n_blocks, 2]`` uint64 array: row i holds block i's hash
+    as (low, high) 64-bit halves (its ``digest_bytes`` read as two little-endian words);
+    ``digest_bytes`` of the last block is its last row's ``tobytes()``."""
+    d = _chain(parent, tok, first_block, n_blocks, tokens_per_block)
+    return np.frombuffer(b"".join(d), dtype="<u8").reshape(n_blocks, 2)
+
+
+def digests_to_ints(d: np.ndarray) -> list[int]:
+    """The 128-bit ints of ``chain_digests`` rows."""
+    b = np.ascontiguousarray(d, dtype="<u8").tobytes()
+    return [int.from_bytes(b[i: i + 16], "little") for i in range(0, len(b), 16)]
 
 
 def digest_bytes(h: int) -> bytes:
@@ -70,6 +100,7 @@ class PrefixIndex:
         self._mask = size - 1
         self._hi = meta.hi_mv
         self._lo = meta.lo_mv
+        self._hi_a, self._lo_a = meta.hash_hi, meta.hash_lo  # the same, for vectorized probes
         self._len = 0
 
     def __len__(self) -> int:
@@ -111,6 +142,88 @@ class PrefixIndex:
             out.append(s)
         return out
 
+    def match_digests(self, d: np.ndarray) -> np.ndarray:
+        """``match`` of ``chain_digests`` rows: the int64 slots of the longest run of
+        leading rows indexed. Every key probes at once, one step of its probe sequence
+        a round (a round costs a few numpy calls over the keys still probing)."""
+        n = len(d)
+        if n < VECTOR_FROM:
+            return np.asarray(self.match(digests_to_ints(d)), dtype=np.int64)
+        t, mask = self._table, self._mask
+        lo, hi = d[:, 0], d[:, 1]
+        found = np.full(n, NO_SLOT, dtype=np.int64)
+        pos = (lo & np.uint64(mask)).astype(np.int64)
+        todo = np.arange(n)
+        while len(todo) >= VECTOR_FROM:
+            s = t[pos[todo]].astype(np.int64)
+            full = s != NO_SLOT
+            hit = full & (self._lo_a[s] == lo[todo]) & (self._hi_a[s] == hi[todo])
+            found[todo[hit]] = s[hit]
+            miss = todo[~full]
+            todo = todo[full & ~hit]
+            if len(miss):  # rows past the first miss cannot be in the run
+                todo = todo[todo < miss[0]]
+            pos[todo] = (pos[todo] + 1) & mask
+        tm, los, his = self._t, self._lo, self._hi
+        for r in todo.tolist():  # the few left, in order, from where they stopped
+            i, key_lo, key_hi = int(pos[r]), int(lo[r]), int(hi[r])
+            while (s := tm[i]) != NO_SLOT and not (los[s] == key_lo and his[s] == key_hi):
+                i = (i + 1) & mask
+            if s == NO_SLOT:
+                break  # the run ends at row r
+            found[r] = s
+        out = np.flatnonzero(found == NO_SLOT)
+        return found[: out[0] if len(out) else n]
+
+    def _positions(self, slots: np.ndarray) -> np.ndarray:
+        """Table positions of indexed ``slots`` (distinct), probed all at once."""
+        t, mask = self._table, self._mask
+        pos = (self._lo_a[slots] & np.uint64(mask)).astype(np.int64)
+        todo = np.flatnonzero(t[pos] != slots)
+        while len(todo) >= VECTOR_FROM:
+            assert (t[pos[todo]] != NO_SLOT).all(), "a slot is not indexed under its hash"
+            pos[todo] = (pos[todo] + 1) & mask
+            todo = todo[t[pos[todo]] != slots[todo]]
+        for r in todo.tolist():  # the few left, one by one
+            pos[r] = self._position(int(slots[r]))
+        return pos
+
+    def insert_many(self, slots: np.ndarray) -> np.ndarray:
+        """``insert`` of each of ``slots`` (distinct), in order: whether each was indexed
+        (False: its hash was indexed already, by another slot or an earlier one of
+        ``slots``). All probe at once; at an empty entry the earliest candidate wins and
+        the others look at it again in the next round. Entries may sit elsewhere than
+        one-by-one inserts would put them, but every probe sequence stays unbroken, so
+        the table holds the same keys with the same slots."""
+        slots = np.asarray(slots, dtype=np.int64)
+        n = len(slots)
+        if n < VECTOR_FROM:
+            return np.fromiter((self.insert(s) for s in slots.tolist()), dtype=bool, count=n)
+        t, mask, los, his = self._table, self._mask, self._lo_a, self._hi_a
+        lo, hi = los[slots], his[slots]
+        pos = (lo & np.uint64(mask)).astype(np.int64)
+        indexed = np.zeros(n, dtype=bool)
+        todo = np.arange(n)
+        while len(todo) >= VECTOR_FROM:
+            p = pos[todo]
+            s = t[p].astype(np.int64)
+            empty = s == NO_SLOT
+            same = ~empty & (los[s] == lo[todo]) & (his[s] == hi[todo])  # a duplicate: done
+            at, first = np.unique(p[empty], return_index=True)  # todo is ascending: the earliest wins
+            won = todo[empty][first]
+            assert self._len + len(won) <= self._mask, "prefix index full"
+            t[at] = slots[won]
+            self._len += len(won)
+            indexed[won] = True
+            go = ~empty & ~same  # occupied by another key: one step on; losers stay to look again
+            pos[todo[go]] = (p[go] + 1) & mask
+            keep = ~same
+            keep[np.flatnonzero(empty)[first]] = False
+            todo = todo[keep]
+        for r in todo.tolist():  # the few left, in order (an earlier one of a key wins)
+            indexed[r] = self.insert(int(slots[r]))
+        return indexed
+
     def insert(self, slot: int) -> bool:
         """Index ``slot`` under the hash stored in meta. False if that hash is already
         indexed (another slot holds the same block); nothing changes then."""
@@ -142,7 +255,11 @@ class PrefixIndex:
             i = (i + 1) & mask
 
     def retarget_many(self, olds: list[int], news: list[int]) -> None:
-        """``retarget`` for each pair (the probe inlined: once per block moved)."""
+        """``retarget`` for each pair (``olds`` distinct): probed all at once from
+        ``VECTOR_FROM`` pairs, else one by one with the probe inlined."""
+        if len(olds) >= VECTOR_FROM:
+            self._table[self._positions(np.asarray(olds, dtype=np.int64))] = news
+            return
         t, mask, lo = self._t, self._mask, self._lo
         for old, new in zip(olds, news):
             i = lo[old] & mask

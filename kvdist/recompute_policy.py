@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .blocks import DISK, GPU, HOST, TIER_NAMES
 
 UNKNOWN = 1 << 62  # "no figure yet": larger than any rate, so it never wins a MIN
@@ -79,24 +81,25 @@ class RecomputePolicy:
         self.agreed = [int(v) for v in figures]
 
     # -- the decision ----------------------------------------------------------------------------
-    def cut(self, tiers: list[int]) -> int:
+    def cut(self, tiers) -> int:
         """How many leading blocks of a cached prefix to reuse; ``tiers[i]`` is block
-        i's tier. Changes nothing (``record`` counts the decision once it stands)."""
+        i's tier (a list or an int array). Changes nothing (``record`` counts the
+        decision once it stands)."""
         n = len(tiers)
         host_bw, disk_bw, rate = self.agreed
         if not self.enabled or rate >= UNKNOWN or n == 0:
             return n
         recompute = self.tpb / rate
-        onboard = [0.0, self.bpb / host_bw if host_bw < UNKNOWN else 0.0,
-                   self.bpb / disk_bw if disk_bw < UNKNOWN else 0.0]
-        if max(onboard[t] for t in set(tiers)) < recompute:
+        onboard = np.array([0.0, self.bpb / host_bw if host_bw < UNKNOWN else 0.0,
+                            self.bpb / disk_bw if disk_bw < UNKNOWN else 0.0])
+        gain = onboard[np.asarray(tiers)] - recompute
+        if gain.max() < 0:
             return n  # every block is cheaper to onboard than to compute: the usual case
-        best, best_k, total = 0.0, 0, 0.0
-        for i, t in enumerate(tiers):
-            total += onboard[t] - recompute
-            if total < best:  # strictly: onboard only when faster
-                best, best_k = total, i + 1
-        return best_k
+        # The running total block by block (cumsum adds in order, as a loop would); the
+        # first strict minimum below zero: onboard only when faster.
+        total = np.cumsum(gain)
+        best = int(np.argmin(total))
+        return best + 1 if total[best] < 0.0 else 0
 
     def worth_storing(self, tier: int) -> bool:
         """Whether a block moved into ``tier`` could ever be onboarded back (it is not
@@ -111,12 +114,14 @@ class RecomputePolicy:
             return True
         return self.bpb / bw < self.tpb / rate
 
-    def record(self, tiers: list[int], k: int) -> None:
-        """Count the cold blocks of a prefix onboarded (before ``k``) and given up."""
-        c = self.counts
-        for i, t in enumerate(tiers):
-            if t != GPU:
-                (c.onboarded if i < k else c.recomputed)[t] += 1
+    def record(self, tiers, k: int) -> None:
+        """Count the cold blocks of a prefix onboarded (before ``k``) and given up
+        (``tiers`` a list or an int array)."""
+        c, t = self.counts, np.asarray(tiers, dtype=np.int64)
+        for counts, part in ((c.onboarded, t[:k]), (c.recomputed, t[k:])):
+            per_tier = np.bincount(part, minlength=3).tolist()
+            for tier in (HOST, DISK):
+                counts[tier] += per_tier[tier]
 
     def stats(self, has_tier) -> dict:
         host_bw, disk_bw, rate = self.agreed

@@ -25,13 +25,24 @@ import pytest
 import xxhash
 
 import kvdist
+import kvdist.block_pool
+import kvdist.prefix
 import kvdist.testing
 from kvdist.blocks import CACHED, NO_SLOT, BlockMeta, FreeQueue, FreeStack
 from kvdist.errors import OutOfBlocksError
 from kvdist.eviction import NUM_PRIORITIES, PriorityLRU
 from kvdist.layout import KVLayout
 from kvdist.manager import CacheManager
-from kvdist.prefix import PrefixIndex, split
+from kvdist.prefix import (
+    MASK64,
+    VECTOR_FROM,
+    PrefixIndex,
+    chain_digests,
+    chain_hashes,
+    digests_to_ints,
+    split,
+    token_bytes,
+)
 from kvdist.testing import IntegrityDriver, Seams
 from kvdist.transfer.executors import NullExecutor
 
@@ -64,7 +75,7 @@ def test_free_list_against_python(seed, kind):
         elif op < 0.55:
             n = rng.randint(0, len(ref))
             expect = [take() for _ in range(n)]
-            assert fs.pop_many(n) == expect
+            assert fs.pop_many(n).tolist() == expect
             out.extend(expect)
         elif op < 0.65 and out:  # a run freed at once
             run = [out.pop(rng.randrange(len(out))) for _ in range(rng.randint(1, len(out)))]
@@ -94,10 +105,11 @@ class RefLRU:
         return sorted(self.entries, key=self.entries.__getitem__)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_priority_lru_against_sorted_reference(seed):
+@pytest.mark.parametrize("seed,n", [(0, 64), (1, 64), (2, 64), (3, 64), (4, 700), (5, 700)])
+def test_priority_lru_against_sorted_reference(seed, n):
+    """Including lists longer than a first array and a victim scan's first window
+    (n = 700), with holes left by removals."""
     rng = random.Random(seed)
-    n = 64
     meta = BlockMeta(n)
     lru, ref = PriorityLRU(meta), RefLRU()
     prios = [0, 1, 35, 63, 64, 100] if seed % 2 else list(range(NUM_PRIORITIES))
@@ -133,7 +145,7 @@ def test_priority_lru_against_sorted_reference(seed):
         elif op < 0.9:  # a run of victims (more than there are, at times)
             k = rng.randint(0, len(ref.entries) + 2)
             expect = ref.order()[:k]
-            assert lru.pop_victims(k) == expect
+            assert lru.pop_victims(k).tolist() == expect
             for s in expect:
                 del ref.entries[s]
         else:
@@ -199,6 +211,90 @@ def test_prefix_index_against_dict_with_collisions(seed):
         for h in keys:
             assert idx.find(h) == ref.get(h, NO_SLOT)
         assert sorted(idx.slots().tolist()) == sorted(ref.values())
+
+
+def _digests_of(hashes: list[int]) -> np.ndarray:
+    return np.array([[h & MASK64, h >> 64] for h in hashes], dtype=np.uint64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_index_runs_against_dict_with_collisions(seed):
+    """The index's operations on runs (``insert_many``, ``retarget_many``,
+    ``match_digests``: all keys probing at once from ``VECTOR_FROM`` keys, one by one
+    below) against a dict, in long clusters: keys sharing a home bucket, keys that differ
+    only in their high half, duplicates inside one run (the first one in the run wins)."""
+    rng = random.Random(seed)
+    n = 200  # slots; the table has 512 entries
+    keys = [rng.getrandbits(128) for _ in range(150)]
+    for i in range(0, 150, 3):  # a third of the keys share one of two home buckets
+        keys[i] = (keys[i] >> 64 << 64) | (rng.getrandbits(55) << 9) | rng.choice((17, 511))
+    keys += [(k ^ (1 << 100)) for k in keys[:20]]  # same low half, other high half
+    meta = BlockMeta(n)
+    idx = PrefixIndex(n, meta)
+    assert idx._mask == 511
+    ref: dict[int, int] = {}  # hash -> slot
+    holds: dict[int, int] = {}  # slot -> hash, for every slot holding a block
+    sizes = (0, 1, 5, VECTOR_FROM - 1, VECTOR_FROM, 70)
+    for _ in range(400):
+        op = rng.random()
+        free = [s for s in range(n) if s not in holds]
+        k = rng.choice(sizes)
+        if op < 0.35 and free:  # a step's filled blocks, registered at once
+            run = rng.sample(free, min(k, len(free)))
+            hashes = [rng.choice(keys) for _ in run]
+            for s, h in zip(run, hashes):
+                meta.hash_hi[s], meta.hash_lo[s] = split(h)
+            expect = []
+            for s, h in zip(run, hashes):
+                expect.append(h not in ref)
+                if expect[-1]:
+                    ref[h] = s
+                    holds[s] = h
+            assert idx.insert_many(np.array(run, dtype=np.int64)).tolist() == expect
+        elif op < 0.5 and ref:
+            h = rng.choice(list(ref))
+            idx.remove(ref[h])
+            del holds[ref.pop(h)]
+        elif op < 0.7 and ref and free:  # a run of blocks moved to other slots (a tier's run of moves)
+            moved = rng.sample(list(ref), min(k, len(ref), len(free)))
+            olds, news = [ref[h] for h in moved], rng.sample(free, len(moved))
+            meta.move_many(np.array(olds, dtype=np.intp), np.array(news, dtype=np.intp))
+            idx.retarget_many(np.array(olds, dtype=np.int64), np.array(news, dtype=np.int64))
+            for h, old, new in zip(moved, olds, news):
+                ref[h] = new
+                holds[new] = holds.pop(old)
+        else:  # a prompt's prefix: mostly indexed keys, then maybe one that is not
+            chain = rng.sample(list(ref), min(k, len(ref))) + rng.sample(keys, rng.randint(0, 2))
+            expect = []
+            for h in chain:
+                if h not in ref:
+                    break
+                expect.append(ref[h])
+            assert idx.match_digests(_digests_of(chain)).tolist() == expect
+            assert idx.match(chain) == expect
+        idx.check_invariants()
+        assert len(idx) == len(ref)
+        for h in keys:
+            assert idx.find(h) == ref.get(h, NO_SLOT)
+        assert sorted(idx.slots().tolist()) == sorted(ref.values())
+
+
+def test_chain_digests_are_the_chained_hashes():
+    """The array of hash halves holds the same hashes as ``chain_hashes``, chained alike
+    from any block on (its last row's bytes are the next block's parent)."""
+    rng = np.random.default_rng(0)
+    tok = token_bytes(rng.integers(-2**31, 2**31, 16 * 40).tolist())
+    salt = b"\7" * 16
+    d = chain_digests(salt, tok, 0, 40, 16)
+    assert d.shape == (40, 2) and digests_to_ints(d) == chain_hashes(salt, tok, 0, 40, 16)
+    rest = chain_digests(d[24].tobytes(), tok, 25, 15, 16)
+    assert rest.tolist() == d[25:].tolist()
+    expect, parent = [], salt
+    for i in range(40):  # the definition: xxh3-128 of the parent's 16 little-endian bytes and the tokens
+        h = xxhash.xxh3_128_intdigest(parent + bytes(tok[64 * i: 64 * (i + 1)]))
+        expect.append(h)
+        parent = h.to_bytes(16, "little")
+    assert digests_to_ints(d) == expect
 
 
 # -- the whole cache ----------------------------------------------------------------------------
@@ -427,6 +523,19 @@ CASES = [  # (gpu, host, disk), offload_min_priority, enable_reuse
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("capacity,omp,reuse", CASES)
 def test_cache_manager_against_reference_cache(capacity, omp, reuse, seed):
+    _against_reference_cache(capacity, omp, reuse, seed)
+
+
+@pytest.mark.parametrize("capacity,omp,reuse", CASES)
+def test_cache_manager_in_runs_against_reference_cache(capacity, omp, reuse, monkeypatch):
+    """The same with every run of slots, however short, through the numpy paths (the
+    index probing all keys at once; pin, unpin, allocate and register over arrays)."""
+    monkeypatch.setattr(kvdist.prefix, "VECTOR_FROM", 1)
+    monkeypatch.setattr(kvdist.block_pool, "VECTOR_FROM", 1)
+    _against_reference_cache(capacity, omp, reuse, 0)
+
+
+def _against_reference_cache(capacity, omp, reuse, seed):
     rng = random.Random(hash((capacity, omp, reuse, seed)) & 0xFFFF)
     tpb = 4
     layout = KVLayout(1, 1, 2, "float16", tpb)

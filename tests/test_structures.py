@@ -20,10 +20,10 @@ def test_slot_space_never_aliases():
 def test_free_stack_exact_order():
     fs = FreeStack(10, 5)
     assert fs.pop() == 10 and fs.pop() == 11
-    assert fs.pop_many(2) == [12, 13]
+    assert fs.pop_many(2).tolist() == [12, 13]
     fs.push(11)
     assert fs.snapshot().tolist() == [11, 14]
-    assert fs.pop_many(2) == [11, 14]
+    assert fs.pop_many(2).tolist() == [11, 14]
     assert fs.pop() == NO_SLOT and len(fs) == 0
 
 
@@ -113,8 +113,8 @@ def test_chain_hashes_depend_on_whole_prefix_and_salt():
 
 def test_metadata_is_compact():
     meta = BlockMeta(1 << 16)
-    assert meta.nbytes == 30 * (1 << 16)
-    assert np.all(meta.prev == NO_SLOT)
+    assert meta.nbytes == 26 * (1 << 16)
+    assert np.all(meta.lru_pos == NO_SLOT)
 
 
 # -- the single-rank cache's modules ---------------------------------------------------------------
