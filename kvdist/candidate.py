@@ -21,7 +21,8 @@ from .staging import Stager
 from .storage import DiskPool, GpuPool, HostPool
 from .storage.host_sizing import auto_host_bytes, available_memory
 
-__all__ = ["CandidateBuilder", "RankCache", "build_candidate", "plan_capacity", "select_device"]
+__all__ = ["CandidateBuilder", "RankCache", "build_candidate", "cuda_free_bytes", "plan_capacity",
+           "select_device"]
 
 log = logging.getLogger("kvdist.candidate")
 
@@ -45,6 +46,14 @@ def select_device(spec: str, local_rank: int = 0) -> torch.device:
     return dev
 
 
+def cuda_free_bytes(device: torch.device) -> int:
+    """Bytes this process can allocate on ``device``: the driver's free memory and what
+    torch's caching allocator holds unused (a cache closed earlier in this process, an
+    earlier run's activations), which an allocation takes before asking the driver."""
+    return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+               - torch.cuda.memory_allocated(device))
+
+
 def _blocks(key: str, nbytes: int, layout: KVLayout) -> int:
     n = layout.blocks_in(nbytes)
     if nbytes and n == 0:
@@ -56,8 +65,7 @@ def plan_capacity(cfg: CacheConfig, layout: KVLayout, device: torch.device,
                   local_ranks: int = 1) -> tuple[int, int, int]:
     """Blocks per tier (gpu, host, disk) this rank would allocate."""
     c = cfg.cache
-    free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-            else available_memory() // max(local_ranks, 1))
+    free = cuda_free_bytes(device) if device.type == "cuda" else available_memory() // max(local_ranks, 1)
     if c.gpu.blocks is not None:
         gpu = c.gpu.blocks
     elif c.gpu.bytes is not None:

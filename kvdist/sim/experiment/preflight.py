@@ -88,7 +88,7 @@ def _budget(cfg: CacheConfig, local_rank: int, local_size: int) -> Budget:
         return Budget(host, local_size, None, _COMPUTE_ITEMSIZE.get(name, 4))
     import torch
 
-    from ...candidate import select_device
+    from ...candidate import cuda_free_bytes, select_device
     from ...layout import KVLayout
 
     try:
@@ -97,7 +97,7 @@ def _budget(cfg: CacheConfig, local_rank: int, local_size: int) -> Budget:
         device = torch.device("cpu")
     if device.type != "cuda":
         return Budget(host, local_size, None, _COMPUTE_ITEMSIZE.get(name, 4))
-    free = torch.cuda.mem_get_info(device)[0]
+    free = cuda_free_bytes(device)
     gpu = cfg.cache.gpu
     tier = (gpu.blocks * KVLayout.from_config(cfg).bytes_per_block if gpu.blocks is not None
             else gpu.bytes if gpu.bytes is not None else int(free * (gpu.memory_fraction or 0)))
