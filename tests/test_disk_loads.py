@@ -170,7 +170,7 @@ def test_the_main_job_never_makes_a_step_wait_for_a_disk_read(tmp_path, monkeypa
     monkeypatch.setattr(SimExecutor, "poll", polling)
     monkeypatch.setattr(HostCopies, "_promote", counted(HostCopies._promote))
     monkeypatch.setattr(HostCopies, "_reload", counted(HostCopies._reload))
-    cfg = sim_cfg(tmp_path, run_ahead=True)
+    cfg = sim_cfg(tmp_path, run_ahead=True, wait_for_disk_reads=True)  # the gate (off by default)
     block = cfg.cache.tokens_per_block * 2 * 2 * 2 * 8 * 4  # layers, K|V, heads, dim, float32
     cfg = cfg.replace(cache={"host": {"bytes": 48 * block}, "simulate_async": True})
     sim = solo(cfg, RunOptions(out=None, progress=False))
