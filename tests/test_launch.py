@@ -135,3 +135,20 @@ def test_module_runs_another_python_module(tmp_path):
     assert cmd[-7:] == [sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "tests/mpi"]
     _, cmd = dry_run("-n", "4", "--mpiexec", str(mpiexec), "--module", "myengine.serve")
     assert cmd[-2:] == ["-m", "myengine.serve"]
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(),
+                    reason="needs the checkout's venv (make venv)")
+def test_the_launcher_runs_from_a_python_without_kvdists_dependencies():
+    """`launch/kvdist-launch` as the README shows it, from a shell whose python3 is not the
+    venv's (kvdist's imports, xxhash among them, are only in the venv): it re-executes
+    with the checkout's venv instead of failing with a traceback."""
+    base = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
+    if base is None or Path(base).resolve() == Path(sys.executable).resolve():
+        pytest.skip("no python3 other than the venv's")
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")}
+    out = subprocess.run([base, str(LAUNCH), "--dry-run", "-n", "2", "placement"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    assert str(ROOT / ".venv" / "bin" / "python") in out.stdout and "-m kvdist placement" in out.stdout
