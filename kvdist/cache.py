@@ -113,7 +113,8 @@ class KVCache:
             return reused
         landed = remote.before_add(plan)  # fetches the plan's remote part when it fits
         reused = manager.commit(manager.refresh(plan))  # planned again if fetching changed the cache
-        remote.after_add(plan.hashes, landed, reused)
+        if landed:  # the plan's hashes as ints only when some of its blocks were fetched for it
+            remote.after_add(plan.hashes, landed, reused)
         self._loads.forget(seq_id)
         return reused
 
