@@ -87,3 +87,18 @@ def test_one_kernel_moves_exactly_what_torch_indexing_moves(kv_dim, hnd, layers)
     lo, hi = LAYOUT.bytes_per_layer * group.start, LAYOUT.bytes_per_layer * group.stop
     assert torch.equal(out[:5, lo:hi], rows[:5].flip(0)[:, lo:hi])  # what went in comes out
     assert not out[:5, :lo].any() and not out[:5, hi:].any() and not out[5:].any()
+
+
+@pytest.mark.parametrize("groups", [1, L], ids=["whole", "by-layer"])
+@pytest.mark.parametrize("gather,order", [("direct", "separate"), ("staged", "separate"), ("staged", "LBNHC"),
+                                          ("rows", "BLNHC")])
+def test_a_failed_disk_read_on_cuda_reports_its_blocks_and_the_step_goes_on(monkeypatch, tmp_path, gather,
+                                                                            order, groups):
+    """On CUDA, what a failed disk read does on CPU (``tests/vllm``: vLLM then recomputes
+    the blocks): ``test_external_cuda_on_cpu.failed_disk_read``."""
+    from .test_external_cuda_on_cpu import failed_disk_read
+
+    cfg = config(host_blocks=2, disk_blocks=8, disk_path=str(tmp_path), layer_groups=groups)
+    cfg["cache"]["device"] = "cuda"
+    failed_disk_read(vllm_kv(12, order, device="cuda"), cfg, gather, monkeypatch,
+                     lambda: torch.cuda.current_stream().synchronize())

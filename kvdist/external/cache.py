@@ -54,6 +54,12 @@ from .tier import ExternalGpuTier
 __all__ = ["ExternalCache", "ExternalTiers", "Finished"]
 
 
+def _on_cuda(gpu: ExternalGpuTier) -> bool:
+    """Whether the engine's tensors take the CUDA executor (the CPU tests of that
+    executor, with stand-in streams, say yes for CPU tensors)."""
+    return gpu.device.type == "cuda"
+
+
 @dataclass(slots=True)
 class ExternalTiers:
     """The tiers one rank built at start-up (a consensus candidate until committed)."""
@@ -120,12 +126,12 @@ class ExternalCache:
         groups = self.layout.layer_groups(self.layout.groups_for(self.config.cache.layer_groups,
                                                                  self.config.cache.min_copy_piece))
         seams = self._seams
-        if gpu.device.type == "cuda":
+        if _on_cuda(gpu):
             from .cuda import ExternalCudaExecutor
 
             executor: Executor = ExternalCudaExecutor(
                 gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
-                gather=gather)
+                gather=gather, on_failed=self._failed.update)
         elif simulate_async(self.config):
             executor = SimExecutor(ExternalCopies(gpu, host, disk, self._failed.update), log=seams.batch_log,
                                    groups=groups)

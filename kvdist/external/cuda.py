@@ -33,11 +33,19 @@ TP (piece)     block           staged off / on      direct off / on
 =============  ==============  ===================  ===================
 
 (*) an earlier run the same day, as a fraction of ``bench transfer``'s batched copies
-of whole blocks of the same size (95–99% of the contiguous copy)."""
+of whole blocks of the same size (95–99% of the contiguous copy).
+
+A disk read that fails (an I/O error) in a reload, with ``on_failed`` given, is what it
+is on CPU (``kvdist.external.copies``): its GPU half is never queued, so the engine
+blocks of that batch keep their bytes, and their ids go to ``on_failed`` (the engine
+recomputes them); the step goes on. The batch still ends with an event on the onboard
+stream after everything its GPU half would have waited for, so the transfer engine's
+ordering of the blocks' later copies (S2) holds as if it had run."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -45,8 +53,9 @@ import torch
 from ..layout import LayerGroups
 from ..staging import CudaH2D, Stager
 from ..storage import DiskPool, HostPool
-from ..transfer.cuda import CudaExecutor
+from ..transfer.cuda import CudaExecutor, DiskOp
 from ..transfer.executors import BatchLog
+from ..transfer.routes import ONBOARD, RELOAD, Route
 from .tier import ExternalGpuTier
 
 __all__ = ["GATHER_MODES", "STAGED_BELOW", "STAGE_BYTES", "ExternalCudaExecutor"]
@@ -63,13 +72,15 @@ class ExternalCudaExecutor(CudaExecutor):
     def __init__(self, gpu: ExternalGpuTier, host: HostPool | None, disk: DiskPool | None,
                  device: torch.device, *, path: str | None = None, disk_threads: int = 2,
                  log: BatchLog | None = None, groups: LayerGroups | None = None, gather: str = "auto",
-                 staged_below: int = STAGED_BELOW, stage_bytes: int = STAGE_BYTES):
+                 staged_below: int = STAGED_BELOW, stage_bytes: int = STAGE_BYTES,
+                 on_failed: Callable[[list[int]], None] | None = None):
         assert gather in GATHER_MODES, f"gather is one of {GATHER_MODES}, not {gather!r}"
         if gather == "auto":
             gather = ("rows" if gpu.rows is not None else
                       "staged" if gpu.pieces_of.piece_bytes < staged_below else "direct")
         assert gather != "rows" or gpu.rows is not None, "the engine's blocks are not whole rows"
         self.gather = gather  # before CudaExecutor asks for _gpu_rows
+        self._on_failed = on_failed  # a failed reload's engine blocks (see the module docstring)
         super().__init__(gpu, host, disk, device, path=path, disk_threads=disk_threads, log=log,
                          groups=groups)
         self._stage_blocks = max(2, stage_bytes // self.block_bytes)
@@ -90,6 +101,31 @@ class ExternalCudaExecutor(CudaExecutor):
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked,
                 "one_kernel": self.gpu.one_kernel}
+
+    # -- a failed disk read --------------------------------------------------------------------
+    def _read_task(self, route: Route, deps: list, slots: list[int], rows: list) -> bool:
+        """The worker's read; False (its future's result) when a reload's read failed
+        and ``on_failed`` takes its blocks, so that no wait on it raises."""
+        try:
+            super()._read_task(route, deps, slots, rows)
+        except OSError:
+            if route is not RELOAD or self._on_failed is None:
+                raise
+            return False
+        return True
+
+    def _finish_reload(self, op: DiskOp) -> None:
+        """Queue the GPU half of a reload, or, when its read failed, name its engine
+        blocks to ``on_failed`` and stand its GPU half for an event on the onboard
+        stream after what the GPU half would have waited for (nothing is copied)."""
+        self._host_wait(op.future, reading=True)
+        if op.future.result() is not False:
+            super()._finish_reload(op)
+            return
+        st = self.streams[ONBOARD.stream]
+        self._gpu_wait(st, op.gpu_deps, host_tier=False)
+        op.gpu_event, op.gpu_deps = self._record(st), []
+        self._on_failed([int(b) for b in op.gpu_slots])
 
     def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
                    span: tuple[int, int] | None = None, **chunks: int) -> None:
