@@ -49,6 +49,7 @@ from ..transfer import DEMOTE, RELOAD, SPILL, Executor, SimExecutor, SyncExecuto
 from ..transfer.bounce import bounce_blocks
 from .copies import ExternalCopies
 from .plan import LOAD, SAVE, TierPlan, Transfers
+from .submit import SUBMIT_BYTES, submission
 from .tier import ExternalGpuTier
 
 __all__ = ["ExternalCache", "ExternalTiers", "Finished"]
@@ -192,13 +193,12 @@ class ExternalCache:
         job, moved = transfers.job, self._moved
         keep = ~np.isin(job, list(dropped)) if dropped else np.ones(len(job), dtype=bool)
         rid = np.where(keep, transfers.route.astype(np.int64), -1)
-        cuts = np.flatnonzero(rid[1:] != rid[:-1]) + 1 if len(rid) else rid
-        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.append(cuts, len(rid)).tolist()):
-            if hi > lo and rid[lo] >= 0:  # a run of one route, in order: copied as one call
-                route = routes[lo]
-                engine.copy_many(route, src[lo:hi], dst[lo:hi])
-                moved[route.name] = moved.get(route.name, 0) + hi - lo
-        engine.flush()
+        # Batches of SUBMIT_BYTES, loads first and in turns with saves (kvdist.external.submit)
+        for batch in submission(routes, rid, src, dst, self.layout.bytes_per_block, SUBMIT_BYTES):
+            for route, s, d in batch:
+                engine.copy_many(route, s, d)
+                moved[route.name] = moved.get(route.name, 0) + len(s)
+            engine.flush()
         loads = []
         for j, jb in enumerate(transfers.jobs):
             if j in dropped:
