@@ -249,3 +249,78 @@ def test_a_failed_reload_still_orders_what_follows_it_after_what_it_followed(fak
         ex.close()
         disk.close()
         host.close()
+
+
+def test_the_staged_path_uploads_a_batchs_ids_once_and_alternates_halves_across_batches(fake_cuda,
+                                                                                       monkeypatch):
+    """By layer group, a staged batch's engine block ids go to the device once, not once
+    a group; a batch's first chunk goes through the staging half the last batch did not
+    end in, so its copy need not wait for the last batch's kernel."""
+    from kvdist.transfer import ONBOARD
+
+    gpu = ExternalGpuTier(LAYOUT, vllm_kv(8, "separate"))
+    host = HostPool(LAYOUT, 8, pin=False)
+    host.raw[:] = torch.stack([_pattern(t) for t in range(8)])
+    for groups, batches in ((L, [[0, 1]]), (1, [[2], [3], [4]])):
+        ex = ExternalCudaExecutor(gpu, host, None, torch.device("cpu"), groups=LAYOUT.layer_groups(groups),
+                                  gather="staged", stage_bytes=2 * BPB)  # a half holds one block
+        into: list[int] = []
+        copy = ex.copier.copy
+
+        def spy(stream, src_rows, dst_rows, s, d, copy=copy, into=into, **chunks):
+            into.append(dst_rows.data_ptr())
+            return copy(stream, src_rows, dst_rows, s, d, **chunks)
+
+        monkeypatch.setattr(ex.copier, "copy", spy)
+        try:
+            for b in batches:
+                ex.submit(ONBOARD, np.array(b), np.array(b) + 3, [])
+            assert ex.index_uploads() == len(batches)
+            if groups == 1:  # three batches of one chunk: halves 0, 1, 0
+                assert into[0] == into[2] != into[1]
+            ex.synchronize()
+            for b in sum(batches, []):
+                assert torch.equal(_engine_rows(gpu)[b + 3], _pattern(b))
+        finally:
+            ex.close()
+    host.close()
+
+
+def test_the_staged_paths_id_uploads_never_wait_for_the_other_direction(fake_cuda, monkeypatch):
+    """Each copy stream stages its block ids through a ring of its own: with every
+    offload still in flight, an onboard's upload never waits for an offload's (one
+    ring for both would, once the offloads had gone round it)."""
+    from kvdist.external import cuda as external_cuda
+    from kvdist.staging import ImmediateH2D
+    from kvdist.transfer import OFFLOAD, ONBOARD
+
+    waited: list = []
+
+    class Pending(ImmediateH2D):
+        """Uploads whose marker (the stream) never completes; waits are recorded."""
+
+        def to_device(self, src, stream=None, reuse=None):
+            return super().to_device(src, stream)[0], stream
+
+        @staticmethod
+        def is_done(marker) -> bool:
+            return marker is None
+
+        @staticmethod
+        def wait(marker) -> None:
+            waited.append(marker)
+
+    monkeypatch.setattr(external_cuda, "ImmediateH2D", Pending)
+    gpu = ExternalGpuTier(LAYOUT, vllm_kv(4, "separate"))
+    host = HostPool(LAYOUT, 4, pin=False)
+    ex = ExternalCudaExecutor(gpu, host, None, torch.device("cpu"), gather="staged")
+    try:
+        for _ in range(external_cuda.INDEX_SLOTS):
+            ex.submit(OFFLOAD, np.array([0]), np.array([0]), [])
+        ex.submit(ONBOARD, np.array([1]), np.array([1]), [])
+        assert waited == []
+        ex.submit(OFFLOAD, np.array([0]), np.array([0]), [])
+        assert waited == [ex.streams[OFFLOAD.stream]]  # its own ring, gone round: it waits
+    finally:
+        ex.close()
+        host.close()

@@ -12,8 +12,11 @@ of three ways:
   and a device staging buffer at the copy engines' full rate, and one kernel a layer
   group (a layer, where the engine's layers are separate allocations) scatters the
   pieces into the engine's blocks or gathers them out, on a side stream, half the
-  buffer at a time so that copies and kernels overlap (``_staged``); its memory is
-  ``stage_bytes`` a stream, allocated on first use.
+  buffer at a time so that copies and kernels overlap (``_staged``; the halves take
+  turns across batches too); its memory is ``stage_bytes`` a stream, allocated on first
+  use. The kernels' engine block ids go to the device once a batch (not once a layer
+  group), through a ring of pinned buffers per copy stream: a ring slot still in use
+  makes the host wait for that stream's own copies, never for the other direction's.
 * ``rows``: where every block's layers are one contiguous run in kvdist's order (vLLM's
   cross-layer, block-outermost layouts), whole blocks, exactly as kvdist's own GPU tier
   moves them: a batched copy of N entries (a layer group's bytes of each block).
@@ -51,7 +54,7 @@ import numpy as np
 import torch
 
 from ..layout import LayerGroups
-from ..staging import CudaH2D, Stager
+from ..staging import CudaH2D, ImmediateH2D, Stager, Upload
 from ..storage import DiskPool, HostPool
 from ..transfer.cuda import CudaExecutor, DiskOp
 from ..transfer.executors import BatchLog
@@ -87,8 +90,14 @@ class ExternalCudaExecutor(CudaExecutor):
         self._stages: dict[int, torch.Tensor] = {}  # by stream
         self._sides: dict[int, torch.cuda.Stream] = {}  # by stream: its scatter and gather kernels
         self._free: dict[int, list] = {}  # by stream: per staging half, the event of its last reader
-        # The engine block ids a staged batch's kernels index by, host -> device (S3).
-        self._stager = Stager(CudaH2D(device), slots=INDEX_SLOTS) if device.type == "cuda" else None
+        self._half: dict[int, int] = {}  # by stream: the staging half its next chunk goes through
+        # The engine block ids a staged batch's kernels index by, host -> device (S3): a ring
+        # a stream, so a ring slot's wait follows that stream's own copies, never the other
+        # direction's; uploaded once a batch (the last upload of each stream is kept for
+        # the batch's other layer groups).
+        self._upload: Upload = CudaH2D(device) if device.type == "cuda" else ImmediateH2D()
+        self._stagers: dict[int, Stager] = {}
+        self._ids: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # by stream: the last upload
         pieces = gpu.pieces_of
         self._offsets = np.array([[pieces.offset(layer, p) for p in range(pieces.per_layer)]
                                   for layer in range(pieces.num_layers)], dtype=np.int64)
@@ -100,7 +109,7 @@ class ExternalCudaExecutor(CudaExecutor):
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "gather": self.gather, "stacked": self.gpu.stacked,
-                "one_kernel": self.gpu.one_kernel}
+                "one_kernel": self.gpu.one_kernel, "index_uploads": self.index_uploads()}
 
     # -- a failed disk read --------------------------------------------------------------------
     def _read_task(self, route: Route, deps: list, slots: list[int], rows: list) -> bool:
@@ -175,14 +184,15 @@ class ExternalCudaExecutor(CudaExecutor):
         lo, hi = span if span is not None else (0, self.block_bytes)
         part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
         k = self._stage_blocks // 2
-        ids = self._indices(st, np.asarray(blocks, dtype=np.int64))
+        ids = self._indices(st, blocks)
         side = self._side_stream(st)
         side.wait_stream(st)  # the batch's dependencies (st waited for them) and the ids' upload
         if self.device.type == "cuda":
             ids.record_stream(side)
         free = self._free.setdefault(id(st), [None, None])  # per half: its last reader is done
+        h0 = self._half.get(id(st), 0)  # halves alternate across batches too
         for c, i in enumerate(range(0, len(at), k)):
-            h = c % 2
+            h = (h0 + c) % 2
             buf = stage[h * k:(h + 1) * k]
             a = np.asarray(at[i:i + k], dtype=np.int64)
             n = len(a)
@@ -204,8 +214,10 @@ class ExternalCudaExecutor(CudaExecutor):
                 st.wait_event(self._record(side))
                 self.copier.copy(st, part(buf), part(rows), here, a, dst_chunk=chunk)
                 free[h] = self._record(st)
-        if to_gpu and len(at):
-            st.wait_event(free[(len(range(0, len(at), k)) - 1) % 2])
+        chunks = len(range(0, len(at), k))
+        self._half[id(st)] = (h0 + chunks) % 2
+        if to_gpu and chunks:
+            st.wait_event(free[(h0 + chunks - 1) % 2])
 
     def _side_stream(self, st) -> torch.cuda.Stream:
         side = self._sides.get(id(st))
@@ -214,11 +226,22 @@ class ExternalCudaExecutor(CudaExecutor):
         return side
 
     def _indices(self, st, blocks: np.ndarray) -> torch.Tensor:
-        """``blocks`` on the device, valid on ``st``: through the staging ring (S3: the
-        host buffer is not rewritten before the copy out of it has run); on CPU as is."""
-        if self._stager is None:
-            return torch.from_numpy(blocks)
-        return self._stager.stage(blocks, st)
+        """``blocks`` on the device, valid on ``st``: through ``st``'s staging ring (S3:
+        the host buffer is not rewritten before the copy out of it has run), once for
+        all the layer groups of a batch (``_copy`` hands each group the same array)."""
+        last = self._ids.get(id(st))
+        if last is not None and last[0] is blocks:
+            return last[1]
+        stager = self._stagers.get(id(st))
+        if stager is None:
+            stager = self._stagers[id(st)] = Stager(self._upload, slots=INDEX_SLOTS)
+        ids = stager.stage(np.asarray(blocks, dtype=np.int64), st)
+        self._ids[id(st)] = (blocks, ids)  # holds the array: its id is not reused while cached
+        return ids
+
+    def index_uploads(self) -> int:
+        """How many block-id arrays the staged path has uploaded (one a batch)."""
+        return sum(s.counters.stages for s in self._stagers.values())
 
     def _on(self, st):
         """Kernels queued inside go on ``st`` (no-op off CUDA: the executor's tests on CPU)."""
@@ -226,6 +249,8 @@ class ExternalCudaExecutor(CudaExecutor):
 
     def close(self) -> None:
         super().close()
-        if self._stager is not None:
-            self._stager.close()
+        for stager in self._stagers.values():
+            stager.close()
+        self._stagers.clear()
+        self._ids.clear()
         self._stages.clear()
