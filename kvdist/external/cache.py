@@ -279,6 +279,14 @@ class ExternalCache:
             self._policy.observe_copy(route.src, nbytes, seconds)
         return self._policy.local_figures()
 
+    def allgather(self, obj: object, what: str) -> list:
+        """Every worker rank's ``obj`` (picklable), in rank order: collective over the
+        workers' communicator, bounded by ``distributed.step_timeout_s`` (an engine whose
+        every worker runs its own scheduler agrees on what they report: vLLM's
+        ``external_launcher``, ``kvdist.integrations.vllm.agree``)."""
+        self._live()
+        return self._comm.allgather(obj, what)
+
     def synchronize(self) -> None:
         """The host waits until every issued copy has run."""
         if self._engine is not None:
