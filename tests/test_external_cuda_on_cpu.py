@@ -324,3 +324,32 @@ def test_the_staged_paths_id_uploads_never_wait_for_the_other_direction(fake_cud
     finally:
         ex.close()
         host.close()
+
+
+@pytest.mark.parametrize("order", ["separate", "LBNHC"])
+def test_a_layer_groups_staged_chunk_fills_half_the_buffer(fake_cuda, order):
+    """By layer group, the staging buffer holds a group's bytes of as many blocks as fit
+    (here half the buffer: one whole block, or three of one layer's bytes), not one whole
+    block's room a block: a batch of six blocks by layer is two chunks a layer, six
+    copies in all, not eighteen."""
+    from kvdist.transfer import OFFLOAD, ONBOARD
+
+    gpu = ExternalGpuTier(LAYOUT, vllm_kv(8, order))
+    host = HostPool(LAYOUT, 8, pin=False)
+    host.raw[:] = torch.stack([_pattern(t) for t in range(8)])
+    ex = ExternalCudaExecutor(gpu, host, None, torch.device("cpu"), groups=LAYOUT.layer_groups(L),
+                              gather="staged", stage_bytes=2 * BPB)
+    try:
+        calls = ex.copier.api_calls[ex.copier.path]
+        ex.submit(ONBOARD, np.arange(6), np.arange(6) + 2, [])
+        assert ex.copier.api_calls[ex.copier.path] - calls == 2 * L
+        ex.synchronize()
+        rows = _engine_rows(gpu)
+        assert all(torch.equal(rows[b + 2], _pattern(b)) for b in range(6))
+        ex.submit(OFFLOAD, np.arange(2, 8), np.array([7, 6, 5, 4, 3, 2]), [])
+        assert ex.copier.api_calls[ex.copier.path] - calls == 4 * L
+        ex.synchronize()
+        assert all(torch.equal(host.raw[7 - b], rows[b + 2]) for b in range(6))
+    finally:
+        ex.close()
+        host.close()

@@ -38,6 +38,11 @@ TP (piece)     block           staged off / on      direct off / on
 (*) an earlier run the same day, as a fraction of ``bench transfer``'s batched copies
 of whole blocks of the same size (95–99% of the contiguous copy).
 
+Those staged figures were measured while a layer group's chunk took a whole block's room
+a block in the staging buffer (TP 1's 8 groups: 4 MiB chunks, 8 times the chunks and
+their host time); a chunk is now as many of the group's spans as half the buffer holds
+(``_staged``), not re-measured.
+
 A disk read that fails (an I/O error) in a reload, with ``on_failed`` given, is what it
 is on CPU (``kvdist.external.copies``): its GPU half is never queued, so the engine
 blocks of that batch keep their bytes, and their ids go to ``on_failed`` (the engine
@@ -174,16 +179,19 @@ class ExternalCudaExecutor(CudaExecutor):
 
     def _staged(self, st, rows: torch.Tensor, at: np.ndarray, blocks: np.ndarray, layers: range,
                 span: tuple[int, int] | None, to_gpu: bool, chunk: int) -> None:
-        """Whole blocks (``span`` of each) through the stream's staging buffer, half of it
-        a chunk: the copies on ``st``, the kernels that scatter or gather the pieces on a
-        side stream of ``st``'s, so the copy of one chunk overlaps the kernels of the
-        last. A half is refilled only after the last chunk through it was read out of it
-        (an event per half, kept across batches); ``st`` ends waiting for the kernels, so
-        the batch's event recorded on it next covers them."""
-        stage = self._stage(st)
+        """Whole blocks (``span`` of each, packed: a chunk is as many spans as half the
+        buffer holds, so a layer group's chunk is as large as a whole block's) through the
+        stream's staging buffer, half of it a chunk: the copies on ``st``, the kernels that
+        scatter or gather the pieces on a side stream of ``st``'s, so the copy of one chunk
+        overlaps the kernels of the last. A half is refilled only after the last chunk
+        through it was read out of it (an event per half, kept across batches); ``st`` ends
+        waiting for the kernels, so the batch's event recorded on it next covers them."""
+        stage = self._stage(st).view(-1)
         lo, hi = span if span is not None else (0, self.block_bytes)
         part = (lambda t: t) if span is None else (lambda t: t[:, lo:hi])
-        k = self._stage_blocks // 2
+        width = hi - lo  # a staged row holds the span alone: a layer group's chunk fills its half
+        assert width == len(layers) * self.gpu.layout.bytes_per_layer, f"span {span} is not layers {layers}"
+        k = max(1, stage.numel() // 2 // width)
         ids = self._indices(st, blocks)
         side = self._side_stream(st)
         side.wait_stream(st)  # the batch's dependencies (st waited for them) and the ids' upload
@@ -193,7 +201,7 @@ class ExternalCudaExecutor(CudaExecutor):
         h0 = self._half.get(id(st), 0)  # halves alternate across batches too
         for c, i in enumerate(range(0, len(at), k)):
             h = (h0 + c) % 2
-            buf = stage[h * k:(h + 1) * k]
+            buf = stage[h * k * width:(h + 1) * k * width].view(k, width)
             a = np.asarray(at[i:i + k], dtype=np.int64)
             n = len(a)
             here = np.arange(n, dtype=np.int64)
@@ -201,18 +209,18 @@ class ExternalCudaExecutor(CudaExecutor):
             if to_gpu:
                 if free[h] is not None:
                     st.wait_event(free[h])  # the kernels of chunk c - 2 have read this half
-                self.copier.copy(st, part(rows), part(buf), a, here, src_chunk=chunk)
+                self.copier.copy(st, part(rows), buf, a, here, src_chunk=chunk)
                 side.wait_event(self._record(st))
                 with self._on(side):
-                    self.gpu.scatter(buf[:n], idx, layers)
+                    self.gpu.scatter(buf[:n], idx, layers, packed=True)
                 free[h] = self._record(side)
             else:
                 if free[h] is not None:
                     side.wait_event(free[h])  # the copy of chunk c - 2 has read this half
                 with self._on(side):
-                    self.gpu.stage_out(idx, buf[:n], layers)
+                    self.gpu.stage_out(idx, buf[:n], layers, packed=True)
                 st.wait_event(self._record(side))
-                self.copier.copy(st, part(buf), part(rows), here, a, dst_chunk=chunk)
+                self.copier.copy(st, buf, part(rows), here, a, dst_chunk=chunk)
                 free[h] = self._record(st)
         chunks = len(range(0, len(at), k))
         self._half[id(st)] = (h0 + chunks) % 2
