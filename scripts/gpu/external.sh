@@ -6,7 +6,8 @@
 # start() call, and in vLLM's order of steps) through ExternalPlanner/ExternalCache at
 # 16-token blocks of Llama-3-8B, TP 8 and TP 1, vLLM's three allocations, with layer-wise
 # waits, batches of 64 MiB against one batch a route (--submit 64,0), next to bench
-# transfer at the same block size; then TP 1's staged copies against its direct ones.
+# transfer at the same block size; then TP 1's staged copies against its direct ones, and TP 8's
+# staged copies by 4 and 32 layer groups (layer-wise waits at TP 8 need groups; auto gives 1).
 # From the repo root on a CUDA machine with kvdist installed; figures in $OUT if set.
 set -u
 if [ -d .whl ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
@@ -22,3 +23,4 @@ probe() {
 }
 probe --tp 8,1 --alloc per-layer,blocks,one --gather auto --submit 64,0 --json "$out/external_probe.json" "$@"
 probe --tp 1 --alloc per-layer --gather staged,direct --no-bench --json "$out/external_probe_tp1.json" "$@"
+probe --tp 8 --alloc per-layer --gather staged --groups 4,32 --no-bench --json "$out/external_probe_groups.json" "$@"
