@@ -53,6 +53,7 @@ ordering of the blocks' later copies (S2) holds as if it had run."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -118,28 +119,37 @@ class ExternalCudaExecutor(CudaExecutor):
 
     # -- a failed disk read --------------------------------------------------------------------
     def _read_task(self, route: Route, deps: list, slots: list[int], rows: list) -> bool:
-        """The worker's read; False (its future's result) when a reload's read failed
-        and ``on_failed`` takes its blocks, so that no wait on it raises."""
+        """The disk worker's read, as ``CudaExecutor``'s; False (its future's result) when
+        a reload's read failed and ``on_failed`` takes its blocks, so no wait on it raises."""
+        self._worker_wait(deps)
+        t0 = time.perf_counter()
         try:
-            super()._read_task(route, deps, slots, rows)
+            self.disk.read_blocks(slots, rows)
         except OSError:
             if route is not RELOAD or self._on_failed is None:
                 raise
             return False
+        self._timings.append((route, len(slots) * self.block_bytes, time.perf_counter() - t0))
         return True
 
     def _finish_reload(self, op: DiskOp) -> None:
-        """Queue the GPU half of a reload, or, when its read failed, name its engine
-        blocks to ``on_failed`` and stand its GPU half for an event on the onboard
-        stream after what the GPU half would have waited for (nothing is copied)."""
+        """Queue the GPU half of a reload (bounce -> engine blocks, as ``CudaExecutor``'s),
+        or, when its read failed, name its engine blocks to ``on_failed`` and stand its GPU
+        half for an event on the onboard stream after what the GPU half would have waited
+        for: nothing is copied."""
         self._host_wait(op.future, reading=True)
-        if op.future.result() is not False:
-            super()._finish_reload(op)
-            return
+        t0 = time.perf_counter()
         st = self.streams[ONBOARD.stream]
-        self._gpu_wait(st, op.gpu_deps, host_tier=False)
-        op.gpu_event, op.gpu_deps = self._record(st), []
-        self._on_failed([int(b) for b in op.gpu_slots])
+        if op.future.result() is False:
+            self._gpu_wait(st, op.gpu_deps, host_tier=False)
+            op.gpu_event = self._record(st)
+            self._on_failed([int(b) for b in op.gpu_slots])
+        else:
+            n = len(op.gpu_slots)
+            op.gpu_event = self._copy(st, op.buffer[:n], self.gpu_rows, np.arange(n), op.gpu_slots,
+                                      op.gpu_deps, host_tier=False)
+        op.gpu_deps = []
+        self.submit_seconds["reload_gpu_half"] += time.perf_counter() - t0
 
     def _rows_copy(self, st: torch.cuda.Stream, src_rows, dst_rows, s: np.ndarray, d: np.ndarray,
                    span: tuple[int, int] | None = None, **chunks: int) -> None:
