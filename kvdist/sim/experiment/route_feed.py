@@ -5,7 +5,7 @@ their clock (:class:`RoutedTime`).
 - :class:`Router` (rank 0, one thread): requests arrive at ``Request.arrival_s``
   seconds after the job's common start; each is decided by the :class:`~kvdist.sim.
   experiment.kv_router.Policy` then, sent ``(request id, arrival)`` to the chosen
-  replica's inbox (ZMQ PUSH/PULL over loopback). A chat's next turn is held until
+  replica's inbox (ZMQ PUSH/PULL). A chat's next turn is held until
   its previous turn was reported finished and the user has thought ``think_s`` (a
   user sends it after reading the reply): its arrival is then
   ``max(arrival_s, finish + think_s)``. Before every decision the router
