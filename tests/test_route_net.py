@@ -11,9 +11,10 @@ import time
 import pytest
 
 import kvdist
+from kvdist.sim.engine.parallel import TensorParallel
 from kvdist.sim.experiment.kv_router import RoundRobin
 from kvdist.sim.experiment.route_feed import Inbox, Router, decode_ids, decode_routed, encode_routed
-from kvdist.sim.experiment.route_net import bind_host, connectable, is_loopback
+from kvdist.sim.experiment.route_net import bind_host, connectable, exchange, is_loopback
 from tests.conftest import make_cfg
 from tests.test_kv_router import _req
 
@@ -64,6 +65,34 @@ def test_an_inbox_bound_on_every_interface_is_reached_by_its_announced_endpoint(
         push.close(linger=0)
         ctx.term()
         inbox.close()
+
+
+def test_the_exchange_announces_wildcard_binds_and_refuses_a_name_that_does_not_resolve(monkeypatch):
+    """One rank (the router's node holds every replica): the exchange returns the inbox
+    and the events as another node would reach them; with a host name that does not
+    resolve (ZMQ would retry connecting to it forever), one line naming it."""
+    cfg = _cfg(enabled=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    world = TensorParallel()
+    for name in (socket.gethostname(), "kvdist-no-such-host.invalid"):
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        inbox = Inbox(1, bind_host(cfg))
+        try:
+            port = inbox.endpoint.rpartition(":")[2]
+            assert inbox.endpoint == f"tcp://{name}:{port}"
+            events = {"endpoint": "tcp://0.0.0.0:5557", "replay_endpoint": "tcp://0.0.0.0:5558"}
+            if name.endswith(".invalid"):
+                with pytest.raises(kvdist.ConfigError) as err:
+                    exchange(world, cfg, inbox.endpoint, events)
+                assert str(err.value) == (
+                    f"config key 'cache.events.endpoint': rank 0 (on {name}) cannot resolve the host name "
+                    f"'{name}', announced for a wildcard bind: make host names resolve between the nodes, "
+                    "or bind one interface, tcp://INTERFACE:PORT (announced by its address) (got 'tcp://*:0')")
+            else:
+                assert exchange(world, cfg, inbox.endpoint, events) == (
+                    [inbox.endpoint], [(f"tcp://{name}:5557", f"tcp://{name}:5558")])
+        finally:
+            inbox.close()
+    world.free()
 
 
 def test_frames_round_trip_and_anything_else_is_not_a_frame():

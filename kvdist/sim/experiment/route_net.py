@@ -23,6 +23,7 @@ name, which the connecting node resolves, as MPI's hostfile names are)."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Mapping
 
@@ -64,6 +65,27 @@ def is_loopback(endpoint: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "[::1]")
 
 
+def _host(endpoint: str) -> str:
+    return endpoint.removeprefix("tcp://").rpartition(":")[0]
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def _resolves(host: str) -> bool:
+    """This node resolves the name ``host``."""
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except (socket.gaierror, UnicodeError):
+        return False
+
+
 def exchange(world: TensorParallel, cfg: CacheConfig, inbox: str | None, events: Mapping[str, str]
              ) -> tuple[list[str], list[tuple[str | None, str | None]]]:
     """Every replica's inbox endpoint and ``(events endpoint, replay endpoint)`` (None
@@ -71,7 +93,9 @@ def exchange(world: TensorParallel, cfg: CacheConfig, inbox: str | None, events:
     job (collective). ``inbox``: this rank's inbox endpoint (TP rank 0 of a replica;
     None elsewhere); ``events``: its ``cache.stats()["events"]``. Raises ConfigError on
     every rank when a replica on another node than rank 0's (the router's) can be
-    reached on its own node only."""
+    reached on its own node only, or when a host name announced (a wildcard bind's) does
+    not resolve on some rank (then a second allgather, of what did not: ZMQ would
+    retry such a connection silently, and the run would wait for it forever)."""
     mine = None
     if inbox is not None:
         pub = events.get("endpoint")
@@ -89,4 +113,17 @@ def exchange(world: TensorParallel, cfg: CacheConfig, inbox: str | None, events:
                           "other nodes reach, tcp://*:PORT or tcp://INTERFACE:PORT (README, 'Routing "
                           "across nodes')")
     leaders = [m for _, m in gathered if m is not None]
+    names = {_host(ep) for m in leaders for ep in (m[0], *m[1]) if ep is not None and ep.startswith("tcp://")}
+    if bind_host(cfg) in _WILDCARDS:  # the router's own endpoint, announced by rank 0's host name
+        names.add(router_node)
+    names = {h for h in names if not _is_address(h)}
+    if names:  # the same set on every rank: every rank reaches this allgather, or none
+        unresolved = world.allgather(sorted(h for h in names if not _resolves(h)), "the host names announced")
+        bad = next(((rank, h) for rank, hosts in enumerate(unresolved) for h in hosts), None)
+        if bad is not None:
+            raise ConfigError("cache.events.endpoint", cfg.cache.events.endpoint,
+                              f"rank {bad[0]} (on {gathered[bad[0]][0]}) cannot resolve the host name "
+                              f"{bad[1]!r}, announced for a wildcard bind: make host names resolve between "
+                              "the nodes, or bind one interface, tcp://INTERFACE:PORT (announced by its "
+                              "address)")
     return [box for box, _ in leaders], [pubs for _, pubs in leaders]
