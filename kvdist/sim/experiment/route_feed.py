@@ -49,7 +49,8 @@ from .clock import RealTime
 from .kv_router import Policy
 from .route_net import LOOPBACK, connectable
 
-__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "router_endpoint"]
+__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "decode_ids", "decode_routed", "encode_routed",
+           "router_endpoint"]
 
 _CLOSED = -1  # a routed "request id" that says every request was routed
 _POLL_S = 0.005  # an idle leader waits at most this long for its inbox at a time
