@@ -45,8 +45,13 @@ ALL = REMOTE_RULES  # every rule on: the default of a cache
 _CUDA_STEPS = 5  # steps a prefetch on CUDA may take to be agreed landed (1-2 seen on the H200)
 
 
-def _open(world, rules: frozenset[str] = ALL, **kw) -> Replica:
-    return Replica(config(world=world.size, **kw), rules)
+def _open(world, rules: frozenset[str] = ALL, near: bool = True, **kw) -> Replica:
+    """``near`` False: prefetches land blocks of node peers in the host tier through the
+    shared transport (by default add_sequence fetches them itself, ``RemoteTier.near``)."""
+    r = Replica(config(world=world.size, **kw), rules)
+    if not near:
+        r.remote.near = frozenset()
+    return r
 
 
 @pytest.mark.parametrize("transport", ["auto", "messages"])
@@ -146,8 +151,10 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
     begin_step. On CUDA the copies run on the GPU's streams and an agreement counts them
     landed only once their events completed (a serving loop asks ``prefetch_ready`` each
     step; on the H200 they were agreed one or two steps later, never lost): the test
-    steps, synchronizing, until they are, a few steps at most."""
-    with _open(world, policy=ride) as r:
+    steps, synchronizing, until they are, a few steps at most. (On one node the
+    prefetch is of blocks of a node peer, which add_sequence would fetch itself: the
+    test asks for the prefetch's landing in the host tier.)"""
+    with _open(world, policy=ride, near=False) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -176,6 +183,50 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
             assert s["hit_tokens"]["remote"] == FULL * 4 and r.d.mismatched_tokens == 0
             assert s["remote"]["prefetches"] == 1 and s["remote"]["blocks_landed"] == FULL
         world.Barrier()
+        r.cache.check_consistency()
+
+
+@pytest.mark.parametrize("transport", ["auto", "messages"])
+def test_a_node_peers_blocks_are_fetched_at_admission_not_prefetched(world, transport):
+    """A scheduler prefetches a request whose blocks only another replica holds. From a
+    replica on this node (shared memory) nothing is prefetched: the request may be
+    admitted in this very step, and add_sequence lands the blocks straight in its GPU
+    slots (one DMA on CUDA, as fast as onboarding host hits). By messages (another
+    node) the prefetch starts them into the host tier and the request waits for them."""
+    with _open(world, transport=transport) as r:
+        r.hold_prompt() if r.replica == HOLDER else None
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            r.d.begin()
+            started = r.cache.prefetch("p", PROMPT)
+            ready = r.cache.prefetch_ready("p")
+            if transport == "auto":
+                assert (started, ready) == (0, True)
+                hashes = r.prompt_hashes()
+                assert [r.remote.slots.tier_of(h) for h in hashes] == [None] * FULL  # not moved yet
+                assert r.d.add("p", PROMPT) == FULL * 4  # admitted in the step it was runnable
+                assert [r.remote.slots.tier_of(h) for h in hashes] == [0] * FULL  # in the GPU tier
+                r.d.compute()
+                r.d.end()
+                s = r.cache.stats()
+                assert r.remote.counters.hit_blocks == [FULL, 0, 0]  # reused where they landed: GPU
+                assert s["remote"]["prefetches"] == 0 and s["remote"]["blocks_landed"] == FULL
+                assert s["bytes_fetched_remote"] == FULL * 512 and r.d.mismatched_tokens == 0
+                r.d.release("p")
+            else:
+                assert (started, ready) == (FULL, False)
+                r.d.end()
+                for _ in range(_CUDA_STEPS * 40):  # the holder answers between its steps
+                    if r.cache.prefetch_ready("p"):
+                        break
+                    time.sleep(0.002)
+                    r.step()
+                assert r.step({"p": PROMPT}) == {"p": FULL * 4} and r.d.mismatched_tokens == 0
+                assert r.cache.stats()["remote"]["prefetches"] == 1
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
         r.cache.check_consistency()
 
 
@@ -218,7 +269,7 @@ def test_r2_holder_overwrote_the_slot_while_it_was_copied(world, rule_on):
     after. The second stamp reading catches it; without it the wrong bytes land."""
     if DEVICE != "cpu":
         pytest.skip("simulated streams are a CPU cache's")
-    with _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000) as r:
+    with _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000, near=False) as r:
         executor = r.seams.executor
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
@@ -469,7 +520,7 @@ def test_a_given_up_blocks_slot_is_freed_once_every_tp_rank_is_done(world, monke
     if T < 2 or DEVICE != "cpu":
         pytest.skip("needs TP ranks and simulated streams")
     monkeypatch.setenv("KVDIST_FAULTS", f"remote_fetch@{FETCHER * T + T - 1}")
-    with _open(world, simulate=True, timeout_ms=60_000) as r:
+    with _open(world, simulate=True, timeout_ms=60_000, near=False) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
