@@ -17,8 +17,8 @@ import torch
 
 from kvdist.bench.remote import DetachedSlots
 from kvdist.blocks import GPU, HOST
-from kvdist.distributed.directory import Directory, encode
 from kvdist.distributed import peer_copy
+from kvdist.distributed.directory import Directory, encode
 from kvdist.distributed.peer_copy import CudaCopier, ImmediateCopier, SimulatedCopier
 from kvdist.distributed.shared_transport import SharedTransport
 from kvdist.distributed.stamps import SlotStamps
@@ -173,7 +173,8 @@ def _settle(transport, batches) -> None:
         time.sleep(0.005)
 
 
-def test_a_host_landing_queued_behind_another_is_not_late(holder, fake_cuda, monkeypatch):
+@pytest.mark.usefixtures("fake_cuda")
+def test_a_host_landing_queued_behind_another_is_not_late(holder, monkeypatch):
     """CUDA's host landings, on the worker threads: a first fetch's four parts (one a
     thread) take 0.4 s each (slowed here); a second fetch of one block, with a deadline
     of 0.25 s, waits behind them, then copies at once. Its deadline counts from when its
@@ -201,7 +202,8 @@ def test_a_host_landing_queued_behind_another_is_not_late(holder, fake_cuda, mon
         close()
 
 
-def test_a_host_landing_is_split_over_the_worker_threads(holder, fake_cuda, monkeypatch):
+@pytest.mark.usefixtures("fake_cuda")
+def test_a_host_landing_is_split_over_the_worker_threads(holder, monkeypatch):
     """32 blocks into the host tier: four parts of eight, each on its own worker thread
     (numpy's row copies release the GIL), every block's bytes exact."""
     seen: list[tuple[str, int]] = []

@@ -242,7 +242,8 @@ class CudaCopier:
         self.executor = executor
         self.stream = torch.cuda.Stream(device)
         self.threads = threads
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="kvdist-remote")
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads,
+                                                                   thread_name_prefix="kvdist-remote")
 
     def start(self, src, dst, s_idx, d_idx, deps, to_gpu, src_chunk=0) -> CopyOp:
         if to_gpu:

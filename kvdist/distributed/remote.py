@@ -350,9 +350,10 @@ class RemoteTier:
     def prefetch(self, seq_id: Hashable, tokens: Iterable[int], now: bool) -> int:
         """Start the remote blocks of a prompt (non-blocking); how many are on their way
         (none when every one comes from a ``near`` peer: add_sequence fetches them by
-        DMA, as fast as it onboards host hits). Outside a step (``now`` False) they start right after the next ``begin_step``
-        (their landing slots may evict blocks, whose copies must follow the last step's
-        kernels, rule S4); the count is then the blocks the directory lists."""
+        DMA, as fast as it onboards host hits). Outside a step (``now`` False) they
+        start right after the next ``begin_step`` (their landing slots may evict blocks,
+        whose copies must follow the last step's kernels, rule S4); the count is then
+        the blocks the directory lists."""
         tokens = tokens if isinstance(tokens, list | tuple) else list(tokens)
         _, hashes = self._reusable(tokens)
         if not now:
