@@ -188,42 +188,57 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
 
 @pytest.mark.parametrize("transport", ["auto", "messages"])
 def test_a_node_peers_blocks_are_fetched_at_admission_not_prefetched(world, transport):
-    """A scheduler prefetches a request whose blocks only another replica holds. From a
-    replica on this node (shared memory) nothing is prefetched: the request may be
-    admitted in this very step, and add_sequence lands the blocks straight in its GPU
-    slots (one DMA on CUDA, as fast as onboarding host hits). By messages (another
-    node) the prefetch starts them into the host tier and the request waits for them."""
+    """A replica's scheduler (``Scheduler`` behind ``PrefetchGate``) over a request whose
+    blocks only the other replica holds. From a replica on this node (shared memory)
+    nothing is prefetched: the gate admits the request in the step it became runnable,
+    and add_sequence lands the blocks straight in its GPU slots (one DMA on CUDA, as
+    fast as onboarding host hits), the holder's bytes. By messages (another node) the
+    prefetch starts them into the host tier and the request waits a step or more."""
+    import numpy as np
+
+    from kvdist.sim.engine.scheduler import Scheduler
+    from kvdist.sim.experiment.admission import PrefetchGate
+    from kvdist.sim.experiment.workload import Request, Trace
+
     with _open(world, transport=transport) as r:
-        r.hold_prompt() if r.replica == HOLDER else None
+        digests = r.hold_prompt() if r.replica == HOLDER else None
+        want = exchange_digests(r, digests)
         world.Barrier()
         if r.replica == FETCHER:
             r.wait_for_directory()
-            r.d.begin()
-            started = r.cache.prefetch("p", PROMPT)
-            ready = r.cache.prefetch_ready("p")
+            gate = PrefetchGate(r.cache)
+            rq = Request(0, 0, 0, 0, np.asarray(PROMPT, np.int32), np.asarray([1, 2], np.int32), -1)
+            sched = Scheduler(Trace([rq], []), max_batch=4, max_prefill_tokens=4096, gpu_blocks=16,
+                              tokens_per_block=4, gate=gate)
+            hashes = r.prompt_hashes()
+            admitted_at = None
+            for step in range(_CUDA_STEPS * 40):  # messages: the holder answers between its steps
+                r.d.begin()
+                plan = sched.next_step()
+                if plan.prefills:
+                    admitted_at = step
+                    assert [r.remote.slots.tier_of(h) for h in hashes] == (
+                        [None] * FULL if transport == "auto" else [1] * FULL)  # landed in host
+                    assert r.d.add(0, PROMPT) == FULL * 4
+                    assert [r.remote.slots.tier_of(h) for h in hashes] == [0] * FULL  # on the GPU
+                    r.tables["p"] = r.d.compute()[0].clone()
+                r.d.end()
+                sched.complete(plan)
+                if admitted_at is not None:
+                    break
+                time.sleep(0.002)
+            s = r.cache.stats()
             if transport == "auto":
-                assert (started, ready) == (0, True)
-                hashes = r.prompt_hashes()
-                assert [r.remote.slots.tier_of(h) for h in hashes] == [None] * FULL  # not moved yet
-                assert r.d.add("p", PROMPT) == FULL * 4  # admitted in the step it was runnable
-                assert [r.remote.slots.tier_of(h) for h in hashes] == [0] * FULL  # in the GPU tier
-                r.d.compute()
-                r.d.end()
-                s = r.cache.stats()
+                assert (admitted_at, gate.prefetched, gate.held) == (0, 0, 0)
                 assert r.remote.counters.hit_blocks == [FULL, 0, 0]  # reused where they landed: GPU
-                assert s["remote"]["prefetches"] == 0 and s["remote"]["blocks_landed"] == FULL
-                assert s["bytes_fetched_remote"] == FULL * 512 and r.d.mismatched_tokens == 0
-                r.d.release("p")
+                assert s["remote"]["prefetches"] == 0
             else:
-                assert (started, ready) == (FULL, False)
-                r.d.end()
-                for _ in range(_CUDA_STEPS * 40):  # the holder answers between its steps
-                    if r.cache.prefetch_ready("p"):
-                        break
-                    time.sleep(0.002)
-                    r.step()
-                assert r.step({"p": PROMPT}) == {"p": FULL * 4} and r.d.mismatched_tokens == 0
-                assert r.cache.stats()["remote"]["prefetches"] == 1
+                assert admitted_at is not None and admitted_at >= 1 and (gate.prefetched, gate.held) == (1, 1)
+                assert r.remote.counters.hit_blocks == [0, FULL, 0]  # onboarded from the host tier
+                assert s["remote"]["prefetches"] == 1
+            assert s["remote"]["blocks_landed"] == FULL and s["bytes_fetched_remote"] == FULL * 512
+            assert r.block_digests("p", FULL) == want and r.d.mismatched_tokens == 0
+            r.d.release(0)
             world.Ibarrier().Wait()
         else:
             r.serve_until(world.Ibarrier())
