@@ -22,7 +22,7 @@ from kvdist.distributed.directory import Directory, encode
 from kvdist.distributed.peer_copy import CudaCopier, ImmediateCopier, SimulatedCopier
 from kvdist.distributed.shared_transport import SharedTransport
 from kvdist.distributed.stamps import SlotStamps
-from kvdist.distributed.transport import DONE, LANDED, STALE, Batch
+from kvdist.distributed.transport import DONE, LANDED, PENDING, STALE, Batch
 from kvdist.layout import KVLayout
 from kvdist.storage import GpuPool, HostPool
 from kvdist.transfer import HostCopies, SimExecutor, SyncExecutor
@@ -141,8 +141,38 @@ def test_directory_entries_past_a_full_bucket_spill_and_are_found():
 
 
 # -- when a fetch's copy begins, and how a host landing is spread -----------------------------------
-def _shared(holder, kind: str, rates=None):
-    """(transport, host pool of 2N blocks, closer) over ``holder``'s shared host tier."""
+class _Pending(DetachedSlots):
+    """Landing slots whose pending copies are ``events``."""
+
+    def __init__(self, executor, events: list):
+        super().__init__(executor)
+        self.events = events
+
+    def pending_events(self, slots) -> list:
+        return list(self.events)
+
+
+class _GatedEvent:
+    """A CUDA event stand-in that completes once the events its stream waited for before
+    it was recorded have, and its own ``done`` (set by the test) is true."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.after: list = []
+        self.done = True
+
+    def record(self, stream=None) -> None:
+        self.after = list(getattr(stream, "waited", []))
+
+    def query(self) -> bool:
+        return self.done and all(e.query() for e in self.after)
+
+    def synchronize(self) -> None:
+        assert self.query(), "a host wait on an event that never completes"
+
+
+def _shared(holder, kind: str, rates=None, pending: list = ()):
+    """(transport, host pool of 2N blocks, closer) over ``holder``'s shared host tier;
+    ``pending``: the landing slots' pending copies."""
     pool, stamps = holder
     gpu, host = GpuPool(LAYOUT, N, torch.device("cpu")), HostPool(LAYOUT, 2 * N, pin=False)
     peer = HostPool(LAYOUT, N, pin=False, shared_path=pool.shared_path, attach=True)
@@ -150,7 +180,7 @@ def _shared(holder, kind: str, rates=None):
     executor = _executor(kind, gpu, host)
     copier = CudaCopier(executor, torch.device("cpu")) if kind == "cuda" else SimulatedCopier(executor, rates)
     transport = SharedTransport(peer, peer_stamps, {GPU: gpu.raw, HOST: host.raw}, copier,
-                                DetachedSlots(executor))
+                                _Pending(executor, list(pending)))
 
     def close():
         transport.close([])
@@ -198,6 +228,37 @@ def test_a_host_landing_queued_behind_another_is_not_late(holder, monkeypatch):
         assert first.state.tolist() == [LANDED] * N
         assert second.state.tolist() == [LANDED] and second.reason.tolist() == [0]
         assert torch.equal(host.raw[N + 5], holder[0].raw[20])
+    finally:
+        close()
+
+
+@pytest.mark.usefixtures("fake_cuda")
+def test_a_dma_waiting_for_the_landing_slots_pending_copies_is_not_late(holder, monkeypatch):
+    """CUDA, into the GPU tier (add_sequence's own fetch): the DMA waits on its stream for
+    the landing slots' pending copy (S2; the previous step's kernels, S4). Its deadline
+    counts from when the stream reached it: 0.3 s past a deadline of 0.1 s it is still
+    pending, not given up; once the copy it follows completed, it lands, bytes exact."""
+    from .test_cuda_executor_on_cpu import FakeEvent, FakeStream
+
+    gated = type("Gated", (_GatedEvent, FakeEvent), {})  # a FakeEvent to the stand-in streams
+    monkeypatch.setattr(torch.cuda, "Event", gated)
+    dep = gated()
+    dep.done = False
+    transport, _, close = _shared(holder, "cuda", pending=[dep])
+    try:
+        assert isinstance(transport.copier.stream, FakeStream)
+        b = _batch([3, 9, 14], [7, 0, 2], GPU, time.monotonic() + 0.1)
+        transport.start(b)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            transport.poll(b, time.monotonic())
+            time.sleep(0.01)
+        assert b.state.tolist() == [PENDING] * 3, "given up while its copy waited its turn"
+        dep.done = True
+        _settle(transport, [b])
+        assert b.state.tolist() == [LANDED] * 3
+        got, want = transport.landing[GPU][torch.tensor([7, 0, 2])], holder[0].raw[torch.tensor([3, 9, 14])]
+        assert torch.equal(got, want)
     finally:
         close()
 
