@@ -34,18 +34,6 @@ def replicas_cfg(world_size: int, **workload):
                   "routing": "round_robin", **workload}))
 
 
-# Steps users think between turns where a test needs blocks fetched from the other
-# replica: long enough that a chat's previous turn has left the holder's GPU tier for its
-# host tier (the only one shared) when its next turn arrives. With 12 the few blocks
-# fetched were mostly system prompts bouncing between the holder's GPU and host tiers,
-# whose lookups often found their slots reused meanwhile (stale misses): runs that reused
-# nothing remote on the last rank, with the prefetch at reservation (1 of 3 runs) and more
-# often with the fetch at admission, which looks up later for a request that waited
-# behind the batch limits. With 40 every run on a moderately loaded dev box reused blocks
-# of the other replica on both replicas, no miss.
-THINK = 40
-
-
 def two_replicas():
     from mpi4py import MPI
 
@@ -58,7 +46,7 @@ def two_replicas():
 def test_sharing_replicas_reuse_what_isolated_ones_recompute(tmp_path_factory):
     world = two_replicas()
     base = Path(shared_dir(tmp_path_factory, "replicas"))
-    r = run(replicas_cfg(world.size, think_steps=THINK), RunOptions(out=str(base / "runs"), progress=False))
+    r = run(replicas_cfg(world.size), RunOptions(out=str(base / "runs"), progress=False))
     assert r["ok"], (r["integrity"], r["runs"]["sharing"]["replicas"])
     assert (r["replicas"], r["tp_size"], r["world_size"]) == (2, world.size // 2, world.size)
     iso, share = r["runs"]["isolated"], r["runs"]["sharing"]
@@ -189,7 +177,7 @@ def test_a_corrupted_block_from_the_other_replica_is_caught(monkeypatch):
         return CorruptingCache(real_create(cfg, comm))
 
     monkeypatch.setattr(kvdist.sim.experiment.parts, "create", corrupting_create)
-    r = run(replicas_cfg(world.size, think_steps=THINK), RunOptions(out=None, progress=False))
+    r = run(replicas_cfg(world.size), RunOptions(out=None, progress=False))
     caught = world.bcast(corrupted if world.rank == world.size - 1 else None, root=world.size - 1)
     assert caught, "no prompt reused a block from the other replica"
     seq_id, block = caught[0]
