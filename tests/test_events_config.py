@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import kvdist
-from kvdist.events.publisher import offset_endpoint
+from kvdist.events.endpoints import offset_endpoint
 from kvdist.testing import Seams, create
 from tests.conftest import make_cfg
 
