@@ -19,6 +19,7 @@ one thread at a time uses it."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -62,17 +63,20 @@ class EventServer:
         self._topic = topic.encode()
         self._linger_s = linger_s
         self._pack = encoder()
+        self._bound: list[str] = []  # the endpoints bound so far
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self.replay: zmq.Socket | None = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, _HWM)
             self.endpoint = bind(self._pub, endpoint, "cache.events.endpoint")
+            self._bound.append(self.endpoint)
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self.replay = self._ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a whole replay fits
                 self.replay_endpoint = bind(self.replay, replay_endpoint, "cache.events.replay_endpoint")
+                self._bound.append(self.replay_endpoint)
         except BaseException:
             self.close()
             raise
@@ -134,3 +138,9 @@ class EventServer:
         if term.is_alive():
             log.warning("kvdist events: the ZMQ context did not terminate within %.0f s; left to the "
                         "process's exit", self._linger_s + 2.0)
+        for endpoint in self._bound:
+            if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+                try:  # ZMQ leaves an ipc socket's file behind
+                    os.unlink(endpoint[len("ipc://"):])
+                except FileNotFoundError:
+                    pass
