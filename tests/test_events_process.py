@@ -93,10 +93,10 @@ def test_a_killed_parent_takes_its_publisher_process_with_it():
         parent.wait(30)
         assert _wait_gone(child), f"the publisher process {child} outlived its killed parent"
     finally:
-        parent.kill()
-        parent.communicate()
         if not _gone(child):
-            os.kill(child, signal.SIGKILL)
+            os.kill(child, signal.SIGKILL)  # it holds the parent's pipes
+        parent.kill()
+        parent.communicate(timeout=30)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -107,13 +107,13 @@ def test_ctrl_c_ends_the_parent_and_the_publisher_quietly():
     parent, child = _start_parent(start_new_session=True)
     try:
         os.killpg(parent.pid, signal.SIGINT)
-        _, err = parent.communicate(timeout=30)
         assert _wait_gone(child), f"the publisher process {child} outlived its parent's Ctrl-C"
+        _, err = parent.communicate(timeout=30)
         assert err.count("KeyboardInterrupt") == 1, err
     finally:
-        parent.kill()
         if not _gone(child):
             os.kill(child, signal.SIGKILL)
+        parent.kill()
 
 
 def _fds() -> set[str]:
