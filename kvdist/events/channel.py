@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 from ..config import EventsConfig
 from ..manager import CacheManager
 from .endpoints import replica_endpoints
-from .recorder import BlockRecorder, StepRecords
+from .recorder import HEADER_WORDS, BlockRecorder, StepRecords
 
 __all__ = ["KVEvents", "Publisher"]
 
@@ -55,7 +55,7 @@ class KVEvents:
     def end_step(self) -> None:
         """The step's changes, if any, become the next batch."""
         step = self.recorder.take()
-        if step[0]:
+        if len(step[0]) > HEADER_WORDS:
             self.publisher.submit(step)
 
     def close(self) -> None:

@@ -6,8 +6,8 @@ nothing comes but the end of file, when the parent closes it or dies. It answers
 line (JSON) on standard output once its sockets are bound: their endpoints, or the
 ConfigError that binding raised. Then, every ``period_s`` and whenever a replay
 request or the end of file comes, it reads what the step thread wrote to the ring
-(``kvdist.events.ring``: one message a step, ``ts`` f64, two byte counts u32, the
-step's ``ops`` and ``toks``, ``kvdist.events.recorder``), publishes each step as the
+(``kvdist.events.ring``: a step's ``ops`` and ``toks`` as ``kvdist.events.recorder``
+writes them), publishes each step as the
 next batch (``kvdist.events.server``), answers replays — a replay therefore holds every
 batch written before its request came — and writes its figures in the ring's header.
 At the end of file it publishes what is left, lets the sockets send (``linger_s``)
@@ -30,9 +30,9 @@ import sys
 import time
 from array import array
 
-__all__ = ["FIGURES", "MESSAGE_HEADER", "main"]
+__all__ = ["FIGURES", "main"]
 
-MESSAGE_HEADER = struct.Struct("<dII")  # ts, bytes of ops, bytes of toks
+_COUNTS = struct.Struct("=QQ")  # a step's first two words: its ops and its toks
 # Header words of the ring (after HEAD, TAIL) this process keeps current, in order.
 FIGURES = ("published", "replays", "failed", "cpu_ns", "alive")  # cpu_ns: since its sockets were bound
 _PR_SET_PDEATHSIG = 1
@@ -49,25 +49,25 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _Steps:
-    """Cuts the stream into steps."""
+    """Cuts the stream into steps (``ops`` then ``toks``; ``ops``' first two words
+    count both: ``kvdist.events.recorder``)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[float, tuple[memoryview, memoryview]]]:
+    def feed(self, data: bytes) -> list[tuple[array, array]]:
         buf = self._buf
         buf += data
-        out, at, hdr = [], 0, MESSAGE_HEADER.size
-        while len(buf) - at >= hdr:
-            ts, n_ops, n_toks = MESSAGE_HEADER.unpack_from(buf, at)
-            end = at + hdr + n_ops + n_toks
+        out, at = [], 0
+        while len(buf) - at >= 16:
+            n_ops, n_toks = _COUNTS.unpack_from(buf, at)
+            end = at + 8 * n_ops + 4 * n_toks
             if end > len(buf):
                 break
-            body = bytes(buf[at + hdr : end])
             ops, toks = array("Q"), array("i")
-            ops.frombytes(body[:n_ops])
-            toks.frombytes(body[n_ops:])
-            out.append((ts, (ops, toks)))
+            ops.frombytes(buf[at : at + 8 * n_ops])
+            toks.frombytes(buf[at + 8 * n_ops : end])
+            out.append((ops, toks))
             at = end
         del buf[:at]
         return out
@@ -123,8 +123,8 @@ def main() -> int:
         ready = dict(poller.poll(period_ms))
         if ready.get(0):
             ending = os.read(0, 4096) == b""  # nothing else ever comes
-        for ts, step in steps.feed(ring.read()):
-            server.publish(ts, step)
+        for step in steps.feed(ring.read()):
+            server.publish(step)
         server.serve_replays()
         for i, v in enumerate((server.published, server.replays, server.failed,
                                time.process_time_ns() - cpu0, 1)):

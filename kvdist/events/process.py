@@ -1,7 +1,6 @@
 """The events' publisher in a process of its own (``kvdist.events.child``), fed through
 shared memory (``kvdist.events.ring``): the step thread's whole share of publishing is
-to copy a step's two record arrays into the ring, with a 16-byte header — no system
-call, no lock, no thread of this process woken, nothing built or encoded here. The
+to copy a step's two record arrays into the ring — no system call, no lock, no thread of this process woken, nothing built or encoded here. The
 child builds the events, encodes them, numbers and sends the batches and serves
 replays; its CPU is not this process's, and it never holds this process's interpreter.
 
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
-from .child import FIGURES, MESSAGE_HEADER
+from .child import FIGURES
 from .recorder import StepRecords
 from .ring import HEAD, TAIL, RingWriter, make_ring_fd
 
@@ -107,9 +106,7 @@ class ProcessPublisher:
             self.dropped += 1
             return
         ops, toks = step
-        n_ops, n_toks = len(ops) * 8, len(toks) * 4
-        if ring.write((MESSAGE_HEADER.pack(time.time(), n_ops, n_toks), ops, toks),
-                      (MESSAGE_HEADER.size, n_ops, n_toks), self._wait):
+        if ring.write(ops, len(ops) * 8, toks, len(toks) * 4, self._wait):
             self.submitted += 1
             if self._waited is not None:
                 self._waited = None

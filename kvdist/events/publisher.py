@@ -2,7 +2,7 @@
 published before ``kvdist.events.process``, kept so that ``bench events`` sets the two
 side by side (``KVEvents(..., publisher="thread")``; the cache always uses the process).
 
-``submit`` only queues a step's records with their time; the thread wakes every
+``submit`` only queues a step's records; the thread wakes every
 ``period_s`` (or at ``close``), hands every queued step to an
 :class:`~kvdist.events.server.EventServer` (build, encode, number, send) ``_CHUNK`` at a
 time with the interpreter let go in between, answers the replay requests waiting, and
@@ -42,7 +42,7 @@ class ThreadPublisher:
         self._linger_s, self._period_s = linger_s, period_s
         # Steps waiting for the thread: appended by the step's thread, taken by the
         # publisher's (a deque's append and popleft are atomic: no lock, no wake).
-        self._queue: deque[tuple[float, StepRecords]] = deque()
+        self._queue: deque[StepRecords] = deque()
         self._stop = threading.Event()  # close: wake the thread now, publish what is queued, end
         self.submitted = 0
         self._thread: threading.Thread | None = threading.Thread(target=self._run, name="kvdist-events",
@@ -52,7 +52,7 @@ class ThreadPublisher:
     def submit(self, step: StepRecords) -> None:
         """Queue one step's records as the next batch (never blocks)."""
         self.submitted += 1
-        self._queue.append((time.time(), step))
+        self._queue.append(step)
 
     def stats(self) -> dict:
         s = self._server
@@ -78,7 +78,7 @@ class ThreadPublisher:
             stopping = stop.wait(self._period_s)
             n = 0
             while pending:
-                server.publish(*pending.popleft())
+                server.publish(pending.popleft())
                 n += 1
                 if n % _CHUNK == 0:
                     time.sleep(0)  # the interpreter to the step's thread, if it waits

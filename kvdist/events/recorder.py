@@ -13,7 +13,10 @@ registration's slots and token ids, the 128-bit hash of the block before its fir
 landed block's wire hash. Moves and drops name slots alone: the builder follows each
 block from slot to slot in its own copy of the slots' hashes.
 
-``ops``, oldest first, each entry an opcode and its words:
+``ops`` starts with three header words — its own length in words, the number of
+``toks``, the time of ``take`` (ns since the epoch) — filled in by ``take``: a step's
+``ops`` and ``toks`` are then one self-describing message. Then, oldest first, each
+entry an opcode and its words:
 
 * ``REGISTERED n p hi lo slot*n``: the GPU slots registered ``n`` blocks
   (``tokens_per_block`` ids each, next in ``toks``), chained from the parent hash
@@ -29,19 +32,22 @@ block from slot to slot in its own copy of the slots' hashes.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Iterator
 
 from ..blocks import BlockMeta
 
-__all__ = ["CLEARED", "DROPPED", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record", "StepRecords",
-           "records"]
+__all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
+           "StepRecords", "records", "step_time"]
 
 REGISTERED, MOVED, DROPPED, LANDED, CLEARED = range(5)
 
 Record = tuple
 StepRecords = tuple  # (ops: array("Q"), toks: array("i")) of one step
-_EMPTY: StepRecords = (array("Q"), array("i"))
+HEADER_WORDS = 3
+_BLANK = array("Q", (HEADER_WORDS, 0, 0))  # a step's ops before its first record
+_EMPTY: StepRecords = (_BLANK, array("i"))
 
 
 class BlockRecorder:
@@ -52,7 +58,7 @@ class BlockRecorder:
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
         self._hi, self._lo = meta.hi_mv, meta.lo_mv  # a block's 128-bit hash; the low half: its wire hash
         self._tpb = tokens_per_block
-        self._ops = array("Q")
+        self._ops = _BLANK[:]
         self._toks = array("i")
 
     # -- the BlockObserver protocol --------------------------------------------------------------
@@ -84,20 +90,26 @@ class BlockRecorder:
         self._ops.append(CLEARED)
 
     def take(self) -> StepRecords:
-        """The records since the last call, ``(ops, toks)`` (both empty when nothing
-        changed)."""
-        if not self._ops:
+        """The records since the last call, ``(ops, toks)``, the header filled in
+        (``ops`` of the header alone when nothing changed: do not send it)."""
+        ops, toks = self._ops, self._toks
+        if len(ops) == HEADER_WORDS:
             return _EMPTY
-        out = self._ops, self._toks
-        self._ops, self._toks = array("Q"), array("i")
-        return out
+        ops[0], ops[1], ops[2] = len(ops), len(toks), time.time_ns()
+        self._ops, self._toks = _BLANK[:], array("i")
+        return ops, toks
+
+
+def step_time(ops: array | memoryview) -> float:
+    """The time a step's records were taken (seconds since the epoch)."""
+    return ops[2] / 1e9
 
 
 def records(ops: array | memoryview, toks: array | memoryview, tpb: int) -> Iterator[Record]:
     """A step's ``(ops, toks)`` as tuples, oldest first: ``(REGISTERED, slots, token
     ids (array "i"), parent 128-bit hash | None)``, ``(MOVED, srcs, dsts)``,
     ``(DROPPED, slot, after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``."""
-    i, t, n_ops = 0, 0, len(ops)
+    i, t, n_ops = HEADER_WORDS, 0, len(ops)
     while i < n_ops:
         op = ops[i]
         if op == REGISTERED:

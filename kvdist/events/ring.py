@@ -58,9 +58,10 @@ def make_ring_fd(capacity: int) -> int:
 
 
 class _Ring:
-    def __init__(self, fd: int, capacity: int):
+    def __init__(self, fd: int, capacity: int, populate: bool = False):
         self.capacity = capacity
-        self._mm = mmap.mmap(fd, HEADER_BYTES + capacity)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._mm = mmap.mmap(fd, HEADER_BYTES + capacity, flags=flags)
         self.words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
 
     def close(self) -> None:
@@ -71,31 +72,35 @@ class _Ring:
 
 
 class RingWriter(_Ring):
-    """The writing end (the cache's step thread)."""
+    """The writing end (the cache's step thread). Its pages are mapped at once
+    (``MAP_POPULATE``): a step never takes the page fault of a first write."""
 
     def __init__(self, fd: int, capacity: int):
-        super().__init__(fd, capacity)
+        super().__init__(fd, capacity, populate=True)
         self._head = self.words[HEAD]
         self._tail = self.words[TAIL]  # as last loaded: the room known to be free
 
-    def write(self, parts: tuple, sizes: tuple[int, ...], wait: Callable[[], bool]) -> bool:
-        """Append the bytes of ``parts`` (bytes-like objects of ``sizes`` bytes) to the
-        stream, in order. While there is too little room, ``wait()`` is called between
-        looks at the reader's progress; when it returns False the writer gives up:
-        False (the stream then ends mid-message: write nothing more)."""
-        mm, cap, head = self._mm, self.capacity, self._head
-        total = sum(sizes)
+    def write(self, a, na: int, b, nb: int, wait: Callable[[], bool]) -> bool:
+        """Append the bytes of ``a`` then ``b`` (bytes-like objects of ``na`` and ``nb``
+        bytes) to the stream. While there is too little room, ``wait()`` is called
+        between looks at the reader's progress; when it returns False the writer gives
+        up: False (the stream then ends mid-message: write nothing more)."""
+        head, cap = self._head, self.capacity
+        total = na + nb
         if cap - (head - self._tail) < total:
             self._tail = self.words[TAIL]
             fence()  # the reader's copies out are done before ours overwrite them
-        if cap - (head - self._tail) >= total and head % cap + total <= cap:  # the common case
-            pos = HEADER_BYTES + head % cap
-            for p, n in zip(parts, sizes):
-                mm[pos : pos + n] = p
-                pos += n
-            self._publish(head + total)
+        at = head % cap
+        if at + total <= cap and cap - (head - self._tail) >= total:  # the common case
+            mm = self._mm
+            pos = HEADER_BYTES + at
+            mm[pos : pos + na] = a
+            if nb:
+                mm[pos + na : pos + total] = b
+            fence()  # the bytes are in place before the reader can see them
+            self.words[HEAD] = self._head = head + total
             return True
-        for p in parts:  # wrapping, or waiting for room: as much as fits at a time
+        for p in (a, b):  # wrapping, or waiting for room: as much as fits at a time
             data = memoryview(p).cast("B")
             off = 0
             while off < len(data):
@@ -108,7 +113,7 @@ class RingWriter(_Ring):
                     continue
                 at = self._head % cap
                 k = min(len(data) - off, room, cap - at)
-                mm[HEADER_BYTES + at : HEADER_BYTES + at + k] = data[off : off + k]
+                self._mm[HEADER_BYTES + at : HEADER_BYTES + at + k] = data[off : off + k]
                 off += k
                 self._publish(self._head + k)
         return True

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import zmq
 
 from ..errors import ConfigError
-from .recorder import StepRecords
+from .recorder import StepRecords, step_time
 from .wire import KVCacheEvent, KVEventBatch, encoder
 
 __all__ = ["END_SEQ", "EventServer", "bind"]
@@ -87,7 +87,7 @@ class EventServer:
         self.replays = 0  # replay requests answered
         self.seconds = 0.0  # CPU time spent building, encoding and sending (this thread's)
 
-    def publish(self, ts: float, step: StepRecords) -> None:
+    def publish(self, step: StepRecords) -> None:
         """Build, number, send and keep the next batch. One that fails to build or
         encode is logged and not sent: its number stays unused, so subscribers see the
         gap (and cannot replay it: a router should start that replica over)."""
@@ -95,7 +95,7 @@ class EventServer:
         seq = self.next_seq
         self.next_seq += 1
         try:
-            payload = self._pack.encode(KVEventBatch(ts=ts, events=self._build(step),
+            payload = self._pack.encode(KVEventBatch(ts=step_time(step[0]), events=self._build(step),
                                                      data_parallel_rank=self.data_parallel_rank))
         except Exception:
             self.failed += 1
