@@ -33,7 +33,7 @@ import sys, time
 from array import array
 from kvdist.events.process import ProcessPublisher
 pub = ProcessPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 100, 0, (8, 8, 0), 4, b"s" * 16,
-                       build=False)
+                       build="empty")
 pub.submit((array("Q", [3, 0, 0]), array("i")))
 print(pub.pid, flush=True)
 time.sleep(600)
@@ -131,7 +131,7 @@ def test_close_leaves_no_process_descriptor_socket_file_or_shm_file(tmp_path):
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     fds = _fds()
     pub = ProcessPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "", 100, 0, (8, 8, 0), 4,
-                           b"s" * 16, build=False)
+                           b"s" * 16, build="empty")
     child = pub.pid
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pub", "replay"]
     assert any("memfd:kvdist-events" in f for f in _fds())

@@ -32,10 +32,12 @@ class KVEvents:
     """Records the manager's block changes and hands each step's to the publisher."""
 
     def __init__(self, cfg: EventsConfig, replica: int, manager: CacheManager,
-                 publisher: Literal["process", "thread"] = "process", build: bool = True):
+                 publisher: Literal["process", "thread"] = "process",
+                 build: Literal["events", "empty", "none"] = "events"):
         """``publisher``: a process of its own (the cache's) or a thread of this one
-        (``bench events`` compares them); ``build=False``: a publisher that builds no
-        event (empty batches: ``bench events``' idle runs)."""
+        (``bench events`` compares them). ``build``: ``"empty"``, a publisher that
+        builds no event (empty batches), ``"none"`` (a process only), one that reads the
+        steps and drops them: ``bench events``' idle runs."""
         endpoint, replay = replica_endpoints(cfg, replica)
         self.publisher: Publisher
         if publisher == "process":
@@ -47,7 +49,8 @@ class KVEvents:
             from .publisher import ThreadPublisher
             self.publisher = ThreadPublisher(
                 endpoint, replay, cfg.topic, cfg.buffer_steps, replica,
-                EventBuilder(manager.space, manager.tpb, manager.salt).events if build else lambda step: [])
+                EventBuilder(manager.space, manager.tpb, manager.salt).events if build == "events"
+                else lambda step: [])
         self.recorder = BlockRecorder(manager.meta, manager.tpb)
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder

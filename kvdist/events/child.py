@@ -91,10 +91,10 @@ def main() -> int:
 
     ring = RingReader(settings["ring_fd"], settings["ring_bytes"])
     os.close(settings["ring_fd"])
-    if settings["build"]:
+    if settings["build"] == "events":
         build = EventBuilder(SlotSpace(tuple(settings["capacity"])), settings["block_size"],
                              bytes.fromhex(settings["salt"])).events
-    else:  # bench events: the process's presence alone
+    else:  # bench events: empty batches ("empty"), or nothing read but the ring's bytes ("none")
         def build(step):
             return []
     out = sys.stdout
@@ -123,8 +123,10 @@ def main() -> int:
         ready = dict(poller.poll(period_ms))
         if ready.get(0):
             ending = os.read(0, 4096) == b""  # nothing else ever comes
-        for step in steps.feed(ring.read()):
-            server.publish(step)
+        data = ring.read()
+        if settings["build"] != "none":
+            for step in steps.feed(data):
+                server.publish(step)
         server.serve_replays()
         for i, v in enumerate((server.published, server.replays, server.failed,
                                time.process_time_ns() - cpu0, 1)):

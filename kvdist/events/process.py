@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 from ..errors import ConfigError
 from .child import FIGURES
@@ -36,18 +37,20 @@ __all__ = ["PERIOD_S", "RING_BYTES", "ProcessPublisher"]
 log = logging.getLogger("kvdist.events")
 
 RING_BYTES = 16 << 20  # the steps the child has not read yet (about 1 KiB a step on bench events' trace)
-PERIOD_S = 0.005  # the child looks at the ring this often (and at once for a replay request)
+PERIOD_S = 0.02  # the child looks at the ring this often (and at once for a replay request): each wake costs a step on a busy core of the dev box (bench events)
 _START_S = 120.0  # the child's start-up (an interpreter and its imports, on a loaded node)
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds kvdist
 
 
 class ProcessPublisher:
     """PUB and replay sockets of one replica, served by a child process (module
-    docstring). Binding errors raise here, as :class:`ConfigError` naming the key."""
+    docstring). Binding errors raise here, as :class:`ConfigError` naming the key.
+    ``build``: what the child does with the steps — publishes their events; publishes
+    empty batches; or reads them and drops them (the last two for ``bench events``)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
                  data_parallel_rank: int, capacity: tuple[int, int, int], block_size: int, salt: bytes,
-                 build: bool = True, linger_s: float = 1.0, period_s: float = PERIOD_S,
+                 build: Literal["events", "empty", "none"] = "events", linger_s: float = 1.0, period_s: float = PERIOD_S,
                  ring_bytes: int = RING_BYTES, stall_s: float = 30.0):
         self.data_parallel_rank = data_parallel_rank
         self._linger_s, self._stall_s = linger_s, stall_s
