@@ -135,6 +135,10 @@ class KVCache:
         # table copy runs the compute work queued before it, which must follow the copies.
         stager = self._stager
         rows = manager.table_rows(list(seq_ids), stager.host_buffer)
+        # The copies queued so far are submitted before this step's rows are marked: they
+        # follow only the kernels of earlier steps that use their slots (S4), not this
+        # step's compute event, which stands for the whole previous forward pass.
+        manager.engine.flush()
         manager.engine.compute_uses(rows)  # S4: later copies touching these slots wait for the kernels
         manager.before_compute()
         return stager.upload_buffer(rows)

@@ -238,11 +238,17 @@ class CacheManager:
 
     def _onboard(self, h: np.ndarray, fresh: np.ndarray, priority: int) -> np.ndarray:
         """The prompt's slots: GPU hits ``h`` as they are, host and disk hits moved into
-        the first ``fresh`` slots (in prompt order), then the rest of ``fresh``."""
+        the first ``k`` of ``fresh`` (the lowest source into the lowest slot), then the
+        rest of ``fresh``."""
         cold = h >= self.space.base[HOST]
         k = int(cold.sum())
         slots = h.copy()
-        slots[cold] = fresh[:k]  # in prompt order
+        # Ascending sources into ascending fresh slots: adjacent host slots (an
+        # offload's run, ``BlockPool._offload_run``) come back as one coalesced copy.
+        order = np.argsort(h[cold], kind="stable")
+        into = np.empty(k, dtype=np.int64)
+        into[order] = np.sort(fresh[:k])
+        slots[cold] = into
         on_disk = h >= self.space.base[DISK]
         for tier, pick in ((HOST, cold & ~on_disk), (DISK, on_disk)):  # no slot in both runs: order is free
             srcs = h[pick]

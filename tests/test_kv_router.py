@@ -116,7 +116,7 @@ def test_load_outweighs_a_short_prefix_unless_the_overlap_weighs_more():
 
 def test_the_router_holds_a_turn_for_its_previous_one_and_closes_every_inbox():
     reqs = [_req(0, [1] * 8), _req(1, [2] * 8), _req(2, [1] * 12, after=0, at=0.0)]
-    inboxes = [Inbox(), Inbox()]
+    inboxes = [Inbox(len(reqs)), Inbox(len(reqs))]
     router = Router(reqs, RoundRobin(2), [i.endpoint for i in inboxes], think_s=0.05)
     try:
         for i in inboxes:
@@ -174,7 +174,7 @@ class _Broken(RoundRobin):
 
 
 def test_a_failing_router_still_ends_every_replicas_run_and_names_its_error():
-    inboxes = [Inbox(), Inbox()]
+    inboxes = [Inbox(1), Inbox(1)]
     router = Router([_req(0, [1] * 8)], _Broken(2), [i.endpoint for i in inboxes])
     try:
         for i in inboxes:

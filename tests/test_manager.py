@@ -126,7 +126,9 @@ def test_cascade_gpu_host_disk_exact(make):
     assert list(m.lru[1]) == [4, 3] and list(m.lru[2]) == [5]
     d.release("s3")
     assert d.step("s4", T(0) + [99], release=False) == 8  # block 0 from host, block 1 from disk
-    assert m.seqs["s4"].slots == [2, 0, 1]
+    # fresh slots 2, 0, 1: the two cold blocks take 2 and 0, the lowest source (host
+    # slot 4, block 0) into the lowest (0); block 2 is computed into slot 1
+    assert m.seqs["s4"].slots == [0, 2, 1]
     s = cache.stats()
     assert s["hit_tokens"] == {"gpu": 0, "host": 4, "disk": 4}
     assert s["blocks_moved"] == {"offload": 6, "onboard": 1, "demote": 4, "spill": 0, "reload": 1,
@@ -376,7 +378,7 @@ def test_a_plan_changes_nothing_and_its_commit_does_what_it_says(make):
     assert m.state_digest() == before and m.generation == generation
     assert (len(plan.hashes), plan.reusable, plan.matched, plan.hits_per_tier()) == (2, 2, 2, (0, 1, 1))
     assert (plan.on_gpu, plan.need, plan.available, plan.fits, plan.remote_hashes) == (0, 3, 3, True, [])
-    assert m.commit(plan) == 8 and m.seqs["s4"].slots == [2, 0, 1]
+    assert m.commit(plan) == 8 and m.seqs["s4"].slots == [0, 2, 1]
     cache.check_invariants()
     assert cache.stats()["hit_tokens"] == {"gpu": 0, "host": 4, "disk": 4}
     d.end()

@@ -429,11 +429,16 @@ class RefCache:
             else:
                 del self.order[self.tier(s)][s]
         fresh = self.alloc_gpu(need, priority)
+        # Host and disk hits come back into the first of the fresh slots, the lowest
+        # source slot into the lowest of them (runs of adjacent slots stay runs).
+        cold = sorted(s for s in hits if self.tier(s) != 0)
+        into = dict(zip(cold, sorted(fresh[:len(cold)]), strict=True))
+        fresh = fresh[len(cold):]
         slots = []
         for s in hits:
             self.hit_tokens[self.tier(s)] += tpb
             if self.tier(s) != 0:
-                g = fresh.pop(0)
+                g = into[s]
                 self.move(s, g)
                 s = g
             self.prio[s] = max(self.prio[s], priority)

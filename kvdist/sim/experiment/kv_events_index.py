@@ -3,7 +3,9 @@ replica's KV events (:mod:`kvdist.events`, vLLM's wire format over ZMQ) and the
 per-replica block sets they build, asked for the longest cached prefix of a prompt
 (:class:`~kvdist.sim.experiment.kv_router.CachedPrefixes`). Every medium a replica
 publishes counts (GPU, CPU for the host tier, DISK); the remote tier publishes
-nothing — a block another replica holds is that replica's. Needs the ``events`` extra."""
+nothing — a block another replica holds is that replica's. The endpoints are those
+:func:`~kvdist.sim.experiment.route_net.exchange` gathered: a replica on another node is
+subscribed to across the network. Needs the ``events`` extra."""
 
 from __future__ import annotations
 

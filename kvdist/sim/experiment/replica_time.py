@@ -28,6 +28,7 @@ from .options import RunOptions
 from .parts import RunParts, abandon, engine, open_cache
 from .replica_job import ReplicaFigures, ReplicaReporter
 from .route_feed import EventFeed, Inbox, RoutedTime, Router, router_endpoint
+from .route_net import bind_host, exchange
 from .workload import Trace
 
 __all__ = ["TimedReporter", "timed_replica"]
@@ -100,14 +101,13 @@ def timed_replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorPara
                               gpu_blocks=cache.stats()["capacity_blocks"]["gpu"],
                               tokens_per_block=cache.layout.tokens_per_block, gate=gate, open_ended=True)
             placement, model = engine(cfg, cache, tp, comm, model)
-            inbox = Inbox() if cache.tp_rank == 0 else None
-            ev = cache.stats()["events"]  # TP rank 0's publisher, where events are on
-            leaders = world.allgather((inbox.endpoint, (ev.get("endpoint"), ev.get("replay_endpoint")))
-                                      if inbox is not None else None, "the inboxes")
-            boxes = [box for box, _ in filter(None, leaders)]
+            host = bind_host(cfg)  # loopback unless cache.events.endpoint binds elsewhere
+            inbox = Inbox(len(trace.requests), host) if cache.tp_rank == 0 else None
+            boxes, pubs = exchange(world, cfg, inbox.endpoint if inbox is not None else None,
+                                   cache.stats()["events"])  # TP rank 0's publisher, where events are on
             if world.rank == 0:
-                chosen, events = policy(cfg, cache.num_replicas, [pub for _, pub in filter(None, leaders)])
-                router = Router(trace.requests, chosen, boxes, events, think_s=think_s)
+                chosen, events = policy(cfg, cache.num_replicas, pubs)
+                router = Router(trace.requests, chosen, boxes, events, think_s=think_s, host=host)
             at = router_endpoint(world, router)
             if inbox is not None:
                 inbox.connect(at)

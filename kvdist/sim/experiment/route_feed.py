@@ -5,7 +5,7 @@ their clock (:class:`RoutedTime`).
 - :class:`Router` (rank 0, one thread): requests arrive at ``Request.arrival_s``
   seconds after the job's common start; each is decided by the :class:`~kvdist.sim.
   experiment.kv_router.Policy` then, sent ``(request id, arrival)`` to the chosen
-  replica's inbox (ZMQ PUSH/PULL over loopback). A chat's next turn is held until
+  replica's inbox (ZMQ PUSH/PULL). A chat's next turn is held until
   its previous turn was reported finished and the user has thought ``think_s`` (a
   user sends it after reading the reply): its arrival is then
   ``max(arrival_s, finish + think_s)``. Before every decision the router
@@ -21,19 +21,25 @@ their clock (:class:`RoutedTime`).
   replica adds the same requests to its scheduler at the same step, whatever the
   timing of the messages.
 
-Endpoints bind 127.0.0.1 on a port the system picks; they are exchanged over the
-job's communicator (so the replicas of a timed job run on one node)."""
+The sockets bind on :func:`~kvdist.sim.experiment.route_net.bind_host`'s host
+(loopback unless ``cache.events.endpoint`` says otherwise) on ports the system picks;
+their endpoints are exchanged over the job's communicator
+(:func:`~kvdist.sim.experiment.route_net.exchange`). The messages are fixed binary
+frames, never pickles (a socket bound for the network takes them from whoever
+connects): routed requests are ``n`` little-endian int64 request ids then their ``n``
+float64 arrivals, finished ones ``n`` int64 ids; a frame of another size, or an id
+that names no request routed, is dropped and counted (``bad_frames``)."""
 
 from __future__ import annotations
 
 import heapq
-import pickle
 import threading
 import time
 from collections import deque
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..engine.parallel import TensorParallel
@@ -41,8 +47,10 @@ from ..engine.request import Request
 from ..engine.scheduler import Scheduler
 from .clock import RealTime
 from .kv_router import Policy
+from .route_net import LOOPBACK, connectable
 
-__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "router_endpoint"]
+__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "decode_ids", "decode_routed", "encode_routed",
+           "router_endpoint"]
 
 _CLOSED = -1  # a routed "request id" that says every request was routed
 _POLL_S = 0.005  # an idle leader waits at most this long for its inbox at a time
@@ -52,6 +60,38 @@ def _zmq():
     import zmq  # the `events` extra
 
     return zmq
+
+
+def _bind_any_port(sock, host: str) -> str:
+    """Bind ``sock`` on ``host`` at a port the system picks; the endpoint others connect
+    to (:func:`~kvdist.sim.experiment.route_net.connectable`)."""
+    zmq = _zmq()
+    if host.startswith("["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(f"tcp://{host}:0")
+    return connectable(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
+def encode_routed(items: list[tuple[int, float]]) -> bytes:
+    """``(request id, arrival)`` pairs as a frame: the ids (int64), then the arrivals (float64)."""
+    rids = np.fromiter((rid for rid, _ in items), dtype="<i8", count=len(items))
+    arrivals = np.fromiter((at for _, at in items), dtype="<f8", count=len(items))
+    return rids.tobytes() + arrivals.tobytes()
+
+
+def decode_routed(frame: bytes) -> list[tuple[int, float]] | None:
+    """:func:`encode_routed`'s pairs, or None for a frame that is not one."""
+    if len(frame) % 16:
+        return None
+    n = len(frame) // 16
+    rids = np.frombuffer(frame, dtype="<i8", count=n)
+    arrivals = np.frombuffer(frame, dtype="<f8", count=n, offset=8 * n)
+    return list(zip(rids.tolist(), arrivals.tolist()))
+
+
+def decode_ids(frame: bytes) -> list[int] | None:
+    """Finished request ids (int64 each), or None for a frame that is not a whole number of them."""
+    return None if len(frame) % 8 else np.frombuffer(frame, dtype="<i8").tolist()
 
 
 class EventFeed(Protocol):
@@ -69,17 +109,24 @@ class EventFeed(Protocol):
 
 
 class Inbox:
-    """A replica leader's end: PULL for what is routed here, PUSH of finishes."""
+    """A replica leader's end: PULL for what is routed here (bound on ``host``), PUSH
+    of finishes. ``requests``: how many requests the trace has (ids 0 .. n-1)."""
 
-    def __init__(self):
+    def __init__(self, requests: int, host: str = LOOPBACK):
         zmq = _zmq()
+        self.requests = requests
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind("tcp://127.0.0.1:0")
-        self.endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.endpoint: str = _bind_any_port(self._pull, host)
+        except BaseException:
+            self._pull.close(linger=0)
+            self._ctx.term()
+            raise
         self._push = None
         self.closed = False
+        self.bad_frames = 0  # frames dropped: not routed pairs, or ids of no request
 
     def connect(self, router_endpoint: str) -> None:
         zmq = _zmq()
@@ -96,7 +143,11 @@ class Inbox:
                 msg = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            for rid, arrival in pickle.loads(msg):
+            items = decode_routed(msg)
+            if items is None or not all(rid == _CLOSED or 0 <= rid < self.requests for rid, _ in items):
+                self.bad_frames += 1
+                continue
+            for rid, arrival in items:
                 if rid == _CLOSED:
                     self.closed = True
                 else:
@@ -108,7 +159,7 @@ class Inbox:
 
     def finished(self, rids: list[int]) -> None:
         if rids:
-            self._push.send(pickle.dumps(rids))
+            self._push.send(np.asarray(rids, dtype="<i8").tobytes())
 
     def close(self) -> None:
         if self._ctx.closed:
@@ -120,17 +171,22 @@ class Inbox:
 
 
 class Router:
-    """Rank 0's router thread (module docstring). ``inboxes[k]``: replica k's endpoint."""
+    """Rank 0's router thread (module docstring). ``inboxes[k]``: replica k's endpoint;
+    ``host``: where the router's own socket (finishes, from the replicas) binds."""
 
     def __init__(self, requests: list[Request], policy: Policy, inboxes: list[str],
-                 events: EventFeed | None = None, think_s: float = 0.0):
+                 events: EventFeed | None = None, think_s: float = 0.0, host: str = LOOPBACK):
         zmq = _zmq()
         self.requests, self.policy, self.events, self.think_s = requests, policy, events, think_s
         self._ctx = zmq.Context()
         self._done = self._ctx.socket(zmq.PULL)
         self._done.setsockopt(zmq.LINGER, 0)
-        self._done.bind("tcp://127.0.0.1:0")
-        self.endpoint: str = self._done.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.endpoint: str = _bind_any_port(self._done, host)
+        except BaseException:
+            self._done.close(linger=0)
+            self._ctx.term()
+            raise
         self._out = []
         for ep in inboxes:
             s = self._ctx.socket(zmq.PUSH)
@@ -139,6 +195,7 @@ class Router:
             self._out.append(s)
         self.routes = [-1] * len(requests)  # replica of every request id (ids are 0..n-1)
         self.held_turns = 0  # follow-ups held until their previous turn finished
+        self.bad_frames = 0  # finish frames dropped: not ids, or ids not routed and unfinished
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -163,7 +220,7 @@ class Router:
             self.error = e
         finally:  # every replica's run ends, even when the router failed
             for s in self._out:
-                s.send(pickle.dumps([(_CLOSED, 0.0)]))
+                s.send(encode_routed([(_CLOSED, 0.0)]))
 
     def _loop(self, origin: float) -> None:
         zmq = _zmq()
@@ -182,9 +239,14 @@ class Router:
             batch: dict[int, list] = {}
             while True:  # finishes first: they release load and held turns
                 try:
-                    rids = pickle.loads(self._done.recv(zmq.NOBLOCK))
+                    rids = decode_ids(self._done.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+                if rids is None or len(set(rids)) < len(rids) or not all(
+                        0 <= rid < len(self.routes) and self.routes[rid] >= 0 and rid not in finished
+                        for rid in rids):
+                    self.bad_frames += 1
+                    continue
                 for rid in rids:
                     finished.add(rid)
                     self.policy.finished(rid)
@@ -201,7 +263,7 @@ class Router:
                 at, _, req = heapq.heappop(thinking)
                 self._route(req, at, batch)
             for k, items in batch.items():
-                self._out[k].send(pickle.dumps(items))
+                self._out[k].send(encode_routed(items))
             due = ([pending[0].arrival_s] if pending else []) + ([thinking[0][0]] if thinking else [])
             nxt = min(due, default=now + 0.05)
             wait = nxt - (time.perf_counter() - origin)
