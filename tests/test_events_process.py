@@ -135,7 +135,7 @@ def test_close_leaves_no_process_descriptor_socket_file_or_shm_file(tmp_path):
     child = pub.pid
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pub", "replay"]
     assert any("memfd:kvdist-events" in f for f in _fds())
-    for i in range(10):
+    for _ in range(10):
         pub.submit((array("Q", [3, 0, 0]), array("i")))
     pub.close()
     assert pub.figures()["published"] == 10 and pub.figures()["unread"] == 0

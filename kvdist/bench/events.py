@@ -180,7 +180,8 @@ def main(argv: list[str]) -> int:
     own = cpu[PROC_READ] / cpu[OFF] - 1
     print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:+.1f}% "
           f"{'PASS' if overhead < 0.01 else 'MISS'}; the step thread's own share (recording and the copy "
-          f"into the ring, the child only draining it): {own * 100:+.1f}% {'PASS' if own < 0.01 else 'MISS'}. "
+          f"into the ring, the child only draining it): {own * 100:+.1f}% "
+          f"{'PASS' if own < 0.01 else 'MISS'}. "
           f"Recording alone: {pct(RECORD)}; the publisher in a thread instead: {pct(THREAD)}; the step "
           f"with events off beside a process that keeps a CPU busy: {pct(BUSY)} (on a machine of few "
           f"cores, what the publisher's own CPU costs the step)")

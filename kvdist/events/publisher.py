@@ -56,8 +56,9 @@ class ThreadPublisher:
 
     def stats(self) -> dict:
         s = self._server
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "submitted": self.submitted,
-                "published": s.published, "dropped": s.failed, "replays": s.replays,
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "submitted": self.submitted, "published": s.published, "dropped": s.failed,
+                "replays": s.replays,
                 "publisher_seconds": s.seconds, "publisher": "thread", "pid": None}
 
     def close(self) -> None:

@@ -137,7 +137,8 @@ class RingReader(_Ring):
         if at + n <= cap:
             out = self._mm[HEADER_BYTES + at : HEADER_BYTES + at + n]
         else:
-            out = self._mm[HEADER_BYTES + at : HEADER_BYTES + cap] + self._mm[HEADER_BYTES : HEADER_BYTES + at + n - cap]
+            mm = self._mm
+            out = mm[HEADER_BYTES + at : HEADER_BYTES + cap] + mm[HEADER_BYTES : HEADER_BYTES + at + n - cap]
         fence()  # the bytes are copied out before the writer may reuse them
         words[TAIL] = head
         return out
