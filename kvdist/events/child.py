@@ -45,7 +45,7 @@ def _die_with_parent(parent: int) -> None:
     except (OSError, AttributeError):  # not Linux: the pipe alone
         return
     if os.getppid() != parent:  # the parent died before the call above
-        os._exit(0)
+        raise SystemExit(0)
 
 
 class _Steps:
