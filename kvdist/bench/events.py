@@ -61,6 +61,39 @@ class _Driver:
             self._after()
 
 
+class _Timed:
+    """The recorder's calls and the step's hand-over, each timed (``time.perf_counter_ns``
+    around it, the pair's own cost taken off): the CPU the events' code itself takes on
+    the step thread, whatever else runs on the machine."""
+
+    def __init__(self, recorder, end_step):
+        self.ns, self.calls = 0, 0
+        self._rec, self._end = recorder, end_step
+        for name in ("registered", "moved", "dropped", "landed"):
+            setattr(self, name, self._timed(getattr(recorder, name)))
+        self.end_step = self._timed(end_step)
+
+    def _timed(self, f):
+        clock = time.perf_counter_ns
+
+        def call(*args):
+            t0 = clock()
+            f(*args)
+            self.ns += clock() - t0
+            self.calls += 1
+        return call
+
+    @staticmethod
+    def clock_ns() -> float:
+        """What one timed call adds around the call itself (the two clock reads)."""
+        clock, n = time.perf_counter_ns, 100_000
+        t0 = clock()
+        for _ in range(n):
+            clock()
+            clock()
+        return (clock() - t0) / n
+
+
 OFF, RECORD = "events off", "recording only"
 BUSY = "events off, a busy process beside"
 PROC_READ, PROC_IDLE, PROC = "process, reading only", "process, idle", "process (the cache's)"
@@ -71,10 +104,11 @@ _BUSY = "while True: pass"  # BUSY's neighbour: a whole CPU
 
 
 def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
-        endpoint: str = "tcp://127.0.0.1:0") -> tuple[float, float, int, dict]:
+        endpoint: str = "tcp://127.0.0.1:0", timed: bool = False) -> tuple[float, float, int, dict]:
     """Seconds of the whole replay (wall clock, and CPU of the thread that steps), the
     tier moves and drops it made, and the events' figures (``events``: one of the
-    modes above)."""
+    modes above). ``timed``: the events' calls on the step thread timed one by one
+    (``_Timed``; the figures gain ``timed_ns`` and ``timed_calls``)."""
     layout = KVLayout(1, 1, 1, "float16", block_size)
     m = CacheManager(layout, capacity, NullExecutor())
     ev, after, busy = None, None, None
@@ -86,6 +120,10 @@ def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
         publisher, build = PUBLISHERS[events]
         ev = KVEvents(EventsConfig(enabled=True, endpoint=endpoint), 0, m, publisher=publisher, build=build)
         after = ev.end_step
+        if timed:
+            clocked = _Timed(ev.recorder, ev.end_step)
+            m.pool.block_observer = clocked
+            after = clocked.end_step
     elif events == RECORD:
         from ..events.recorder import BlockRecorder
         recorder = BlockRecorder(m.meta, m.tpb)
@@ -103,6 +141,8 @@ def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
     if ev is not None:
         ev.close()
         stats = ev.stats()
+        if timed:
+            stats |= {"timed_ns": clocked.ns, "timed_calls": clocked.calls}
     moved = sum(m.counters.blocks_moved.values())
     return float(p.sum() + d.sum()), cpu, moved + m.counters.dropped, stats
 
@@ -153,6 +193,12 @@ def main(argv: list[str]) -> int:
                     assert (f["published"] == (0 if events == PROC_READ else f["submitted"])
                             and f["dropped"] == 0), f"{events}: batches lost: {f}"
                 bar.update()
+    direct = []  # the events' own calls on the step thread, µs a step (the cache's publisher)
+    clock_ns = _Timed.clock_ns()
+    for _ in range(args.repeat):
+        f = run(trace, capacity, args.block_size, PROC, endpoint, timed=True)[3]
+        direct.append((f["timed_ns"] - f["timed_calls"] * clock_ns) / 1e3 / trace.steps)
+        time.sleep(0.2)
     received = None
     if sub is not None:
         received = int(sub.communicate(timeout=120)[0].split()[-1])
@@ -173,6 +219,11 @@ def main(argv: list[str]) -> int:
         print(f"the subscriber process read {received:,} batches of the {len(PUBLISHERS) * args.repeat} runs "
               "with a publisher (the idle ones' batches are empty; each run binds a new socket; what one "
               "sends before the subscriber has reconnected is lost to it)")
+    own_us = min(direct)
+    print(f"the events' own calls on the step thread (recording and the hand-over to the process, each "
+          f"call timed, best of {args.repeat}): {own_us:.2f} µs a step, {own_us / cpu[OFF] * 100:.2f}% of "
+          f"the step with events off")
+
     def pct(e: str) -> str:
         return f"{(cpu[e] / cpu[OFF] - 1) * 100:+.1f}%"
 
