@@ -13,7 +13,9 @@ alone), or (a process only) reads the steps from the ring and drops them: the st
 thread's own share, recording and the copy into the ring. A control: events off with
 a process beside it that keeps a CPU busy — on a machine of few cores (the dev box has
 two) a process on the other core slows the step thread's CPU as the publisher's own
-work does, whatever it is. The replay never lets go of the interpreter (no GPU to wait for): the worst
+work does, whatever it is. Last, the events' own calls on the step thread, timed one by
+one (the cache's publisher): what the events' code itself takes of the step, whatever
+else runs on the machine. The replay never lets go of the interpreter (no GPU to wait for): the worst
 case for a thread beside it. Only bookkeeping is timed: no tensors, no copies (the
 transfer engine still orders every move). The step thread's CPU time is the figure
 (``time.thread_time``); the publisher's own CPU (its thread's, or its process's) is
