@@ -87,3 +87,50 @@ def test_one_kernel_moves_exactly_what_torch_indexing_moves(kv_dim, hnd, layers)
     lo, hi = LAYOUT.bytes_per_layer * group.start, LAYOUT.bytes_per_layer * group.stop
     assert torch.equal(out[:5, lo:hi], rows[:5].flip(0)[:, lo:hi])  # what went in comes out
     assert not out[:5, :lo].any() and not out[:5, hi:].any() and not out[5:].any()
+
+
+@pytest.mark.parametrize("groups", [1, L], ids=["whole", "by-layer"])
+@pytest.mark.parametrize("gather,order", [("direct", "separate"), ("staged", "separate"), ("staged", "LBNHC"),
+                                          ("rows", "BLNHC")])
+def test_a_failed_disk_read_on_cuda_reports_its_blocks_and_the_step_goes_on(monkeypatch, tmp_path, gather,
+                                                                            order, groups):
+    """On CUDA, what a failed disk read does on CPU (``tests/vllm``: vLLM then recomputes
+    the blocks): ``test_external_cuda_on_cpu.failed_disk_read``."""
+    from .test_external_cuda_on_cpu import failed_disk_read
+
+    cfg = config(host_blocks=2, disk_blocks=8, disk_path=str(tmp_path), layer_groups=groups)
+    cfg["cache"]["device"] = "cuda"
+    failed_disk_read(vllm_kv(12, order, device="cuda"), cfg, gather, monkeypatch,
+                     lambda: torch.cuda.current_stream().synchronize())
+
+
+@pytest.mark.parametrize("kv_dim", [None, 1], ids=["separate-LBNHC", "flashinfer"])
+@pytest.mark.parametrize("layers", [(0, L), (1, 3)], ids=["all", "group"])
+def test_the_kernel_moves_rows_packed_with_a_groups_layers_alone(kv_dim, layers):
+    """The staged path's rows hold a layer group's bytes alone (``packed``): the kernel
+    writes and reads the same engine bytes as torch's indexing does from whole rows."""
+    from kvdist.external import ExternalGpuTier
+
+    from .external_kv import split_kv
+    from .test_external_cuda_on_cpu import LAYOUT
+
+    n = 12
+    kv = ([t.cuda() for t in vllm_kv(n, "separate")] if kv_dim is None else
+          [t.cuda() for t in split_kv(n, kv_dim=kv_dim)])
+    tier = ExternalGpuTier(LAYOUT, kv, kv_dim=kv_dim or 0)
+    assert tier.one_kernel and not tier.stacked
+    expect = [t.clone() for t in kv]
+    reference = ExternalGpuTier(LAYOUT, expect, kv_dim=kv_dim or 0, one_kernel=False)
+    group = range(*layers)
+    lo, hi = LAYOUT.bytes_per_layer * group.start, LAYOUT.bytes_per_layer * group.stop
+    blocks = torch.tensor([7, 2, 11, 0, 5], dtype=torch.int64, device="cuda")
+    rows = torch.randint(0, 256, (5, LAYOUT.bytes_per_block), dtype=torch.uint8, device="cuda")
+    tier.scatter(rows[:, lo:hi].contiguous(), blocks, group, packed=True)
+    reference.scatter(rows, blocks, group)
+    torch.cuda.synchronize()
+    for a, b in zip(kv, expect):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    out = torch.zeros((5, hi - lo), dtype=torch.uint8, device="cuda")
+    tier.stage_out(blocks.flip(0), out, group, packed=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, rows.flip(0)[:, lo:hi])

@@ -17,7 +17,11 @@ outcome bits (R1). Nothing after start-up is
 collective across replicas (R3); a fetch waits at most ``fetch_timeout_ms``.
 
 ``add_sequence`` pulls a prompt's remote blocks itself (waiting up to the timeout)
-unless a ``prefetch`` already started them; ``rules`` (a frozen ``RemoteRules``, read
+unless a ``prefetch`` already started them. A prefetch leaves alone a prompt whose
+remote blocks all come from ``near`` peers (replicas whose every rank shares this
+node): add_sequence's own fetch lands those straight in the GPU slots by one DMA from
+the peer's mapping, as fast as a host onboard, so nothing is gained by holding the
+request back a step for them; ``rules`` (a frozen ``RemoteRules``, read
 at construction) can drop R1, R2 or R4 for the tests that show what each one prevents."""
 
 from __future__ import annotations
@@ -93,10 +97,15 @@ class RemoteTier:
                  transports: dict[int, Fetcher], server: MessageServer, rules: RemoteRules,
                  slots: LocalSlots, fetch_timeout_s: float, replica: int, num_replicas: int,
                  bytes_per_block: int, capacity: dict[int, int], directory_every: int = 1,
-                 serve: bool = True):
+                 serve: bool = True, near: frozenset[int] = frozenset()):
         self.tp = tp  # the TP group's communicator (MpiComm, or SingleComm for TP 1)
         self.channel, self.directory, self.stamps = channel, directory, stamps
         self.transports = transports  # peer replica -> transport
+        # Peers whose blocks add_sequence fetches itself rather than a prefetch (every rank
+        # of both replicas on one node, sharing memory): the same set on every TP rank
+        # (R1: their prefetches start the same batches). A test may empty it to drive the
+        # prefetch's landing in the host tier through the shared transport.
+        self.near = near
         self.slots = slots
         self.timeout_s = fetch_timeout_s
         self.replica, self.num_replicas = replica, num_replicas
@@ -287,17 +296,14 @@ class RemoteTier:
     def _plan(self, hashes: list[int], seq_id: Hashable | None) -> list[Batch]:
         """Reserve landing slots for the longest run of leading ``hashes`` that peers
         hold (stopping at a block already on its way) and start the batches, one per
-        holder and landing tier. ``hashes`` start after the local cached prefix."""
-        entries = self.directory.match(hashes)
-        if not entries:
+        holder and landing tier. ``hashes`` start after the local cached prefix. A
+        prefetch (``seq_id``) of blocks all held by ``near`` peers starts nothing."""
+        held = self._holders(hashes)
+        prefetch = seq_id is not None
+        if not held or (prefetch and self._near_only(held)):
             return []
         per_batch: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (peer, tier) -> blocks
-        prefetch = seq_id is not None
-        for i, g in enumerate(entries):
-            h = hashes[i]
-            if h in self.landing:
-                break
-            peer, slot = self.directory.holder(g)
+        for h, (peer, slot) in zip(hashes, held):
             tier = self.transports[peer].landing_tier(prefetch)
             if prefetch and self.landing_used[tier] >= self.landing_cap[tier]:
                 break  # prefetches leave half of a tier to caching
@@ -321,16 +327,33 @@ class RemoteTier:
             batches.append(b)
         return batches
 
+    def _holders(self, hashes: list[int]) -> list[tuple[int, int]]:
+        """(peer, its slot) of the longest run of leading ``hashes`` peers hold, up to the
+        first block already on its way here."""
+        out = []
+        for h, g in zip(hashes, self.directory.match(hashes)):
+            if h in self.landing:
+                break
+            out.append(self.directory.holder(g))
+        return out
+
+    def _near_only(self, held: list[tuple[int, int]]) -> bool:
+        """Whether every block of ``held`` comes from a ``near`` peer."""
+        near = self.near
+        return bool(near) and all(peer in near for peer, _ in held)
+
     def _reusable(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """(hashes of the full blocks, the leading ones add_sequence may reuse)."""
         full = self.slots.block_hashes(tokens)
         return full, full[: max(len(tokens) - 1, 0) // self.tpb]
 
     def prefetch(self, seq_id: Hashable, tokens: Iterable[int], now: bool) -> int:
-        """Start the remote blocks of a prompt (non-blocking); how many are on their way.
-        Outside a step (``now`` False) they start right after the next ``begin_step``
-        (their landing slots may evict blocks, whose copies must follow the last step's
-        kernels, rule S4); the count is then the blocks the directory lists."""
+        """Start the remote blocks of a prompt (non-blocking); how many are on their way
+        (none when every one comes from a ``near`` peer: add_sequence fetches them by
+        DMA, as fast as it onboards host hits). Outside a step (``now`` False) they
+        start right after the next ``begin_step`` (their landing slots may evict blocks,
+        whose copies must follow the last step's kernels, rule S4); the count is then
+        the blocks the directory lists."""
         tokens = tokens if isinstance(tokens, list | tuple) else list(tokens)
         _, hashes = self._reusable(tokens)
         if not now:
@@ -356,14 +379,10 @@ class RemoteTier:
             self._start_prefetch(seq_id, hashes)
 
     def _listed(self, hashes: list[int]) -> int:
-        """Blocks after the local prefix that the directory lists, up to one on its way."""
-        start = len(self.slots.cached_prefix(hashes))
-        n = 0
-        for h in hashes[start:start + len(self.directory.match(hashes[start:]))]:
-            if h in self.landing:
-                break
-            n += 1
-        return n
+        """Blocks after the local prefix that the directory lists, up to one on its way
+        (none when all come from ``near`` peers: add_sequence fetches those)."""
+        held = self._holders(hashes[len(self.slots.cached_prefix(hashes)):])
+        return 0 if self._near_only(held) else len(held)
 
     def prefetch_ready(self, seq_id: Hashable) -> bool:
         if seq_id in self._deferred:

@@ -202,6 +202,22 @@ def _node_peers(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout,
     return tuple(r for r in replicas if r != layout.replica and shared(r))
 
 
+def _near(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout, infos: list[dict]) -> frozenset[int]:
+    """The peers that every TP rank of this replica reaches through shared memory (whose
+    blocks add_sequence fetches itself, ``RemoteTier.near``): decided from the same
+    table on every rank of the replica, so they prefetch alike (R1)."""
+    if cfg.distributed.remote.transport != "auto":
+        return frozenset()
+
+    def shared(peer: int, t: int) -> bool:
+        theirs = layout.world_rank(peer, t)
+        return (plan.nodes[theirs] == plan.nodes[layout.world_rank(layout.replica, t)]
+                and infos[theirs]["host"] is not None and infos[theirs]["stamps"] is not None)
+
+    return frozenset(p for p in range(layout.num_replicas)
+                     if p != layout.replica and all(shared(p, t) for t in range(layout.tp_size)))
+
+
 def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, infos: list[dict],
            host: HostPool, stamps: SlotStamps, gpu_raw, executor, device, slots: LocalSlots,
            capacity: dict[int, int], built: list, rules: RemoteRules) -> RemoteTier:
@@ -256,7 +272,8 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
                       stamps=stamps, transports=transports, server=server, rules=rules, slots=slots,
                       fetch_timeout_s=rc.fetch_timeout_ms / 1000, replica=layout.replica,
                       num_replicas=layout.num_replicas, bytes_per_block=host.layout.bytes_per_block,
-                      capacity=capacity, directory_every=rc.directory_every_steps)
+                      capacity=capacity, directory_every=rc.directory_every_steps,
+                      near=_near(cfg, plan, layout, infos))
 
 
 __all__ = ["RemoteTierWarning", "SharePlan", "commit_remote", "plan_sharing", "wanted"]

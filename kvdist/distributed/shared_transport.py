@@ -51,7 +51,9 @@ class SharedTransport(Fetcher[PeerCopy]):
     def landing_tier(self, prefetch: bool) -> int:
         """add_sequence's own fetch lands straight in the GPU tier (its blocks take the
         GPU slots the prompt needs anyway); a prefetch in the host tier (it must not
-        hold GPU slots a step's sequences need), onboarded at admission like a host hit."""
+        hold GPU slots a step's sequences need), onboarded at admission like a host hit.
+        A prompt whose remote blocks all come from node peers is not prefetched at all
+        (``RemoteTier.near``): add_sequence's DMA costs what a host onboard does."""
         return HOST if prefetch else GPU
 
     def _begin(self, batch: Batch, deps: list) -> PeerCopy:
@@ -63,6 +65,9 @@ class SharedTransport(Fetcher[PeerCopy]):
                                batch.dst[idx] - self.slots.tier_base(tier), deps,
                                to_gpu=tier == GPU, src_chunk=self.peer_pool.chunk_blocks)
         return PeerCopy(read.ok.copy(), idx, op, read)
+
+    def _began(self, batch: Batch, t: PeerCopy) -> float | None:
+        return t.op.began()  # a copy queued behind this rank's others is not late
 
     def _complete(self, t: PeerCopy) -> bool:
         return t.op.done()

@@ -21,7 +21,9 @@ The contract (``Fetcher.start`` / ``poll`` / ``close``), the same for every tran
 * the copies into the landing slots follow what the engine still does with them (S2):
   their pending events are handed to the transport's ``_begin``;
 * past the batch's deadline the pending blocks are given up (TIMED_OUT): DONE at once
-  when the transport could stop its copies, else when they complete;
+  when the transport could stop its copies, else when they complete. The deadline
+  (``fetch_timeout_ms``) counts from when the transport's copies began (``_began``):
+  a copy waiting its turn behind this rank's other copies is not late;
 * a transfer that completed finishes its blocks: GOOD where the transport says the
   bytes are the block wanted (R2), stale elsewhere.
 
@@ -74,7 +76,7 @@ class Batch:
     lo: np.ndarray
     dst: np.ndarray  # int64 global landing slots, all of tier ``tier``
     tier: int
-    deadline: float  # time.monotonic() after which pending blocks are given up
+    deadline: float  # time.monotonic() after which pending blocks are given up, had its copies begun at once
     seq_id: Hashable | None = None  # the prefetch it serves (None: add_sequence's own pull)
     state: np.ndarray = field(init=False)
     reason: np.ndarray = field(init=False)
@@ -108,6 +110,10 @@ class Batch:
         self.reason[stale] = STALE
         given_up = where & (self.state == 0)  # given up while in flight: now it is done
         self.state[given_up] = DONE
+
+    def deadline_from(self, began: float | None) -> float:
+        """The deadline of copies that began at ``began`` (None: not yet: none)."""
+        return float("inf") if began is None else self.deadline + max(0.0, began - self.started)
 
     @property
     def resolved(self) -> bool:
@@ -161,7 +167,7 @@ class Fetcher(ABC, Generic[T]):
         if self._complete(t):
             batch.transfer = None
             batch.finish(t.where, self._good(batch, t))
-        elif now > batch.deadline and not t.given_up:
+        elif not t.given_up and now > batch.deadline_from(self._began(batch, t)):
             t.given_up = True
             stopped = self._cancel(t)
             batch.give_up(t.where, TIMED_OUT, done=stopped)
@@ -193,6 +199,12 @@ class Fetcher(ABC, Generic[T]):
     def _begin(self, batch: Batch, deps: list) -> T | None:
         """Start the copies of ``batch`` after ``deps`` (the landing slots' pending events);
         None when nothing was started (every block given up or finished already)."""
+
+    def _began(self, batch: Batch, t: T) -> float | None:
+        """When ``t``'s copies began (``time.monotonic``), None while they wait their turn
+        behind this rank's earlier copies (a local queue: they will run). By default when
+        ``batch`` started (a transport that sends its requests at once)."""
+        return batch.started
 
     @abstractmethod
     def _complete(self, t: T) -> bool:

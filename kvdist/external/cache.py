@@ -49,9 +49,16 @@ from ..transfer import DEMOTE, RELOAD, SPILL, Executor, SimExecutor, SyncExecuto
 from ..transfer.bounce import bounce_blocks
 from .copies import ExternalCopies
 from .plan import LOAD, SAVE, TierPlan, Transfers
+from .submit import SUBMIT_BYTES, submission
 from .tier import ExternalGpuTier
 
 __all__ = ["ExternalCache", "ExternalTiers", "Finished"]
+
+
+def _on_cuda(gpu: ExternalGpuTier) -> bool:
+    """Whether the engine's tensors take the CUDA executor (the CPU tests of that
+    executor, with stand-in streams, say yes for CPU tensors)."""
+    return gpu.device.type == "cuda"
 
 
 @dataclass(slots=True)
@@ -120,12 +127,12 @@ class ExternalCache:
         groups = self.layout.layer_groups(self.layout.groups_for(self.config.cache.layer_groups,
                                                                  self.config.cache.min_copy_piece))
         seams = self._seams
-        if gpu.device.type == "cuda":
+        if _on_cuda(gpu):
             from .cuda import ExternalCudaExecutor
 
             executor: Executor = ExternalCudaExecutor(
                 gpu, host, disk, gpu.device, path=seams.copy_path, log=seams.batch_log, groups=groups,
-                gather=gather)
+                gather=gather, on_failed=self._failed.update)
         elif simulate_async(self.config):
             executor = SimExecutor(ExternalCopies(gpu, host, disk, self._failed.update), log=seams.batch_log,
                                    groups=groups)
@@ -186,13 +193,12 @@ class ExternalCache:
         job, moved = transfers.job, self._moved
         keep = ~np.isin(job, list(dropped)) if dropped else np.ones(len(job), dtype=bool)
         rid = np.where(keep, transfers.route.astype(np.int64), -1)
-        cuts = np.flatnonzero(rid[1:] != rid[:-1]) + 1 if len(rid) else rid
-        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.append(cuts, len(rid)).tolist()):
-            if hi > lo and rid[lo] >= 0:  # a run of one route, in order: copied as one call
-                route = routes[lo]
-                engine.copy_many(route, src[lo:hi], dst[lo:hi])
-                moved[route.name] = moved.get(route.name, 0) + hi - lo
-        engine.flush()
+        # Batches of SUBMIT_BYTES, loads first and in turns with saves (kvdist.external.submit)
+        for batch in submission(routes, rid, src, dst, self.layout.bytes_per_block, SUBMIT_BYTES):
+            for route, s, d in batch:
+                engine.copy_many(route, s, d)
+                moved[route.name] = moved.get(route.name, 0) + len(s)
+            engine.flush()
         loads = []
         for j, jb in enumerate(transfers.jobs):
             if j in dropped:
@@ -272,6 +278,14 @@ class ExternalCache:
         for route, nbytes, seconds in self.executor.take_timings():
             self._policy.observe_copy(route.src, nbytes, seconds)
         return self._policy.local_figures()
+
+    def allgather(self, obj: object, what: str) -> list:
+        """Every worker rank's ``obj`` (picklable), in rank order: collective over the
+        workers' communicator, bounded by ``distributed.step_timeout_s`` (an engine whose
+        every worker runs its own scheduler agrees on what they report: vLLM's
+        ``external_launcher``, ``kvdist.integrations.vllm.agree``)."""
+        self._live()
+        return self._comm.allgather(obj, what)
 
     def synchronize(self) -> None:
         """The host waits until every issued copy has run."""

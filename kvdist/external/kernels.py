@@ -51,10 +51,11 @@ class LayerTable:
 
 
 def move_pieces(table: LayerTable, stage: torch.Tensor, blocks: torch.Tensor, layers: range,
-                to_engine: bool) -> None:
-    """Between ``stage`` (``[n, bytes_per_block]`` uint8 rows, kvdist's block order:
-    layer, piece, bytes) and engine blocks ``blocks`` (``n`` int64 ids on the device):
-    ``layers`` of each, on the current stream."""
+                to_engine: bool, row_layer0: int = 0) -> None:
+    """Between ``stage`` (``[n, row bytes]`` uint8 rows, kvdist's block order: layer,
+    piece, bytes; a row's first layer is ``row_layer0``: 0 for whole blocks,
+    ``layers.start`` for rows of ``layers`` alone) and engine blocks ``blocks`` (``n``
+    int64 ids on the device): ``layers`` of each, on the current stream."""
     n = int(blocks.numel())
     if n == 0 or len(layers) == 0:
         return
@@ -62,12 +63,13 @@ def move_pieces(table: LayerTable, stage: torch.Tensor, blocks: torch.Tensor, la
     words = stage.view(torch.int64)
     grid = (n, len(layers))
     _move[grid](words, words.stride(0), table.ptrs, table.block_words, table.piece_words, blocks,
-                layers.start, table.words, PER_LAYER=table.per_layer, TO_ENGINE=to_engine, WORDS=_WORDS)
+                layers.start, layers.start - row_layer0, table.words, PER_LAYER=table.per_layer,
+                TO_ENGINE=to_engine, WORDS=_WORDS)
 
 
 if triton is not None:
     @triton.jit
-    def _move(stage, row_words, ptrs, block_words, piece_words, blocks, layer0, words,
+    def _move(stage, row_words, ptrs, block_words, piece_words, blocks, layer0, row0, words,
               PER_LAYER: tl.constexpr, TO_ENGINE: tl.constexpr, WORDS: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         layer = layer0 + tl.program_id(1).to(tl.int64)
@@ -75,7 +77,7 @@ if triton is not None:
         base = tl.load(ptrs + layer).to(tl.pointer_type(tl.int64))
         engine = base + block * tl.load(block_words + layer)
         step = tl.load(piece_words + layer)
-        row = stage + i * row_words + layer * PER_LAYER * words
+        row = stage + i * row_words + (row0 + tl.program_id(1).to(tl.int64)) * PER_LAYER * words
         w = tl.arange(0, WORDS)
         for p in tl.static_range(PER_LAYER):
             for start in range(0, words, WORDS):

@@ -154,43 +154,59 @@ class ExternalGpuTier:
         p = self.pieces_of
         return rows.view(rows.shape[0], p.num_layers, p.per_layer, p.piece_bytes)
 
-    def gather(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range, at: torch.Tensor) -> None:
-        """``rows[at[i]]``'s ``layers`` (kvdist block bytes) <- the pieces of engine block
-        ``blocks[i]`` (index tensors on the rows' device; one kernel a layer, or one in
-        all when the layers are stacked)."""
-        out = _wide(self.rows_view(rows))
-        if self._stacked is not None:
-            a, b = layers.start, layers.stop
-            out[at, a:b] = _wide(self._stacked[a:b])[:, :, blocks].permute(2, 0, 1, 3)
-            return
-        for layer in layers:
-            out[at, layer] = _wide(self._views[layer])[:, blocks].transpose(0, 1)
+    def _rows(self, rows: torch.Tensor, layers: range, packed: bool) -> tuple[torch.Tensor, int]:
+        """``rows`` as ``[n, layer, piece, bytes]`` and the layer its dim 1 starts at:
+        whole blocks, or (``packed``) rows holding ``layers``' bytes alone."""
+        if not packed:
+            return self.rows_view(rows), 0
+        p = self.pieces_of
+        return rows.view(rows.shape[0], len(layers), p.per_layer, p.piece_bytes), layers.start
 
-    def scatter(self, rows: torch.Tensor, blocks: torch.Tensor, layers: range) -> None:
-        """The pieces of ``layers`` of engine block ``blocks[i]`` <- ``rows[i]``."""
-        if self._table is not None and rows.is_contiguous() and rows.device == self.device:
-            kernels.move_pieces(self._table, rows, blocks, layers, to_engine=True)
-            return
-        src = _wide(self.rows_view(rows))
+    def gather(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range, at: torch.Tensor,
+               packed: bool = False) -> None:
+        """``rows[at[i]]``'s ``layers`` (kvdist block bytes; ``packed``: rows of those
+        layers' bytes alone) <- the pieces of engine block ``blocks[i]`` (index tensors on
+        the rows' device; one kernel a layer, or one in all when the layers are stacked)."""
+        view, off = self._rows(rows, layers, packed)
+        out = _wide(view)
         if self._stacked is not None:
             a, b = layers.start, layers.stop
-            _wide(self._stacked[a:b])[:, :, blocks] = src[:, a:b].permute(1, 2, 0, 3)
+            out[at, a - off:b - off] = _wide(self._stacked[a:b])[:, :, blocks].permute(2, 0, 1, 3)
             return
         for layer in layers:
-            _wide(self._views[layer])[:, blocks] = src[:, layer].transpose(0, 1)
+            out[at, layer - off] = _wide(self._views[layer])[:, blocks].transpose(0, 1)
+
+    def scatter(self, rows: torch.Tensor, blocks: torch.Tensor, layers: range, packed: bool = False) -> None:
+        """The pieces of ``layers`` of engine block ``blocks[i]`` <- ``rows[i]`` (``packed``:
+        rows of those layers' bytes alone)."""
+        if self._table is not None and rows.is_contiguous() and rows.device == self.device:
+            kernels.move_pieces(self._table, rows, blocks, layers, to_engine=True,
+                                row_layer0=layers.start if packed else 0)
+            return
+        view, off = self._rows(rows, layers, packed)
+        src = _wide(view)
+        if self._stacked is not None:
+            a, b = layers.start, layers.stop
+            _wide(self._stacked[a:b])[:, :, blocks] = src[:, a - off:b - off].permute(1, 2, 0, 3)
+            return
+        for layer in layers:
+            _wide(self._views[layer])[:, blocks] = src[:, layer - off].transpose(0, 1)
 
     @property
     def one_kernel(self) -> bool:
         """Whether ``scatter`` and ``stage_out`` move a layer group in one kernel."""
         return self._stacked is not None or self._table is not None
 
-    def stage_out(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range) -> None:
+    def stage_out(self, blocks: torch.Tensor, rows: torch.Tensor, layers: range,
+                  packed: bool = False) -> None:
         """``rows[i]``'s ``layers`` <- the pieces of engine block ``blocks[i]`` (rows on
-        the engine's device, contiguous: the staged path's buffer)."""
+        the engine's device, contiguous: the staged path's buffer; ``packed``: rows of
+        those layers' bytes alone)."""
         if self._table is not None:
-            kernels.move_pieces(self._table, rows, blocks, layers, to_engine=False)
+            kernels.move_pieces(self._table, rows, blocks, layers, to_engine=False,
+                                row_layer0=layers.start if packed else 0)
         else:
-            self.gather(blocks, rows, layers, at=torch.arange(len(blocks), device=rows.device))
+            self.gather(blocks, rows, layers, at=torch.arange(len(blocks), device=rows.device), packed=packed)
 
     @staticmethod
     def _bytes(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:

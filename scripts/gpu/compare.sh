@@ -16,7 +16,8 @@
 #      no reuse, the same trace in real time at that rate;
 #   5. the disk tier throttled to $THROTTLE bytes/s (host tier 4 GiB, so the trace hits the
 #      disk), all tiers vs GPU only: the onboard-or-recompute policy turns the slow disk down.
-# Knobs: STEPS="1 2 3 4 5", RATE (skip the measurement of step 3), THROTTLE (300MB),
+# Knobs: STEPS="1 2 3 4 5", RATE (skip the measurement of step 3), CONFIGS (step 4's, e.g.
+# all-tiers,gpu-only: about 200 s instead of 305), THROTTLE (300MB),
 # THROTTLE_REQUESTS (400). Logs and results files under $OUT.
 set -u
 if [ -d .whl ] && [ -z "${MPIEXEC:-}" ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
@@ -85,7 +86,7 @@ fi
 RATE=${RATE:-13.8}
 if has 4; then
     echo "== run --compare at $RATE requests/s"
-    compare h200 --config $CONFIG --compare --rate "$RATE"
+    compare h200 --config $CONFIG --compare --rate "$RATE" ${CONFIGS:+--configs $CONFIGS}
 fi
 if has 5; then
     echo "== disk throttled to $THROTTLE/s, host tier 4 GiB, $RATE requests/s"

@@ -45,8 +45,13 @@ ALL = REMOTE_RULES  # every rule on: the default of a cache
 _CUDA_STEPS = 5  # steps a prefetch on CUDA may take to be agreed landed (1-2 seen on the H200)
 
 
-def _open(world, rules: frozenset[str] = ALL, **kw) -> Replica:
-    return Replica(config(world=world.size, **kw), rules)
+def _open(world, rules: frozenset[str] = ALL, near: bool = True, **kw) -> Replica:
+    """``near`` False: prefetches land blocks of node peers in the host tier through the
+    shared transport (by default add_sequence fetches them itself, ``RemoteTier.near``)."""
+    r = Replica(config(world=world.size, **kw), rules)
+    if not near:
+        r.remote.near = frozenset()
+    return r
 
 
 @pytest.mark.parametrize("transport", ["auto", "messages"])
@@ -146,8 +151,10 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
     begin_step. On CUDA the copies run on the GPU's streams and an agreement counts them
     landed only once their events completed (a serving loop asks ``prefetch_ready`` each
     step; on the H200 they were agreed one or two steps later, never lost): the test
-    steps, synchronizing, until they are, a few steps at most."""
-    with _open(world, policy=ride) as r:
+    steps, synchronizing, until they are, a few steps at most. (On one node the
+    prefetch is of blocks of a node peer, which add_sequence would fetch itself: the
+    test asks for the prefetch's landing in the host tier.)"""
+    with _open(world, policy=ride, near=False) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:
@@ -176,6 +183,65 @@ def test_prefetch_lands_before_admission(world, inside_a_step, ride):
             assert s["hit_tokens"]["remote"] == FULL * 4 and r.d.mismatched_tokens == 0
             assert s["remote"]["prefetches"] == 1 and s["remote"]["blocks_landed"] == FULL
         world.Barrier()
+        r.cache.check_consistency()
+
+
+@pytest.mark.parametrize("transport", ["auto", "messages"])
+def test_a_node_peers_blocks_are_fetched_at_admission_not_prefetched(world, transport):
+    """A replica's scheduler (``Scheduler`` behind ``PrefetchGate``) over a request whose
+    blocks only the other replica holds. From a replica on this node (shared memory)
+    nothing is prefetched: the gate admits the request in the step it became runnable,
+    and add_sequence lands the blocks straight in its GPU slots (one DMA on CUDA, as
+    fast as onboarding host hits), the holder's bytes. By messages (another node) the
+    prefetch starts them into the host tier and the request waits a step or more."""
+    import numpy as np
+
+    from kvdist.sim.engine.scheduler import Scheduler
+    from kvdist.sim.experiment.admission import PrefetchGate
+    from kvdist.sim.experiment.workload import Request, Trace
+
+    with _open(world, transport=transport) as r:
+        digests = r.hold_prompt() if r.replica == HOLDER else None
+        want = exchange_digests(r, digests)
+        world.Barrier()
+        if r.replica == FETCHER:
+            r.wait_for_directory()
+            gate = PrefetchGate(r.cache)
+            rq = Request(0, 0, 0, 0, np.asarray(PROMPT, np.int32), np.asarray([1, 2], np.int32), -1)
+            sched = Scheduler(Trace([rq], []), max_batch=4, max_prefill_tokens=4096, gpu_blocks=16,
+                              tokens_per_block=4, gate=gate)
+            hashes = r.prompt_hashes()
+            admitted_at = None
+            for step in range(_CUDA_STEPS * 40):  # messages: the holder answers between its steps
+                r.d.begin()
+                plan = sched.next_step()
+                if plan.prefills:
+                    admitted_at = step
+                    assert [r.remote.slots.tier_of(h) for h in hashes] == (
+                        [None] * FULL if transport == "auto" else [1] * FULL)  # landed in host
+                    assert r.d.add(0, PROMPT) == FULL * 4
+                    assert [r.remote.slots.tier_of(h) for h in hashes] == [0] * FULL  # on the GPU
+                    r.tables["p"] = r.d.compute()[0].clone()
+                r.d.end()
+                sched.complete(plan)
+                if admitted_at is not None:
+                    break
+                time.sleep(0.002)
+            s = r.cache.stats()
+            if transport == "auto":
+                assert (admitted_at, gate.prefetched, gate.held) == (0, 0, 0)
+                assert r.remote.counters.hit_blocks == [FULL, 0, 0]  # reused where they landed: GPU
+                assert s["remote"]["prefetches"] == 0
+            else:
+                assert admitted_at is not None and admitted_at >= 1 and (gate.prefetched, gate.held) == (1, 1)
+                assert r.remote.counters.hit_blocks == [0, FULL, 0]  # onboarded from the host tier
+                assert s["remote"]["prefetches"] == 1
+            assert s["remote"]["blocks_landed"] == FULL and s["bytes_fetched_remote"] == FULL * 512
+            assert r.block_digests("p", FULL) == want and r.d.mismatched_tokens == 0
+            r.d.release(0)
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
         r.cache.check_consistency()
 
 
@@ -218,7 +284,7 @@ def test_r2_holder_overwrote_the_slot_while_it_was_copied(world, rule_on):
     after. The second stamp reading catches it; without it the wrong bytes land."""
     if DEVICE != "cpu":
         pytest.skip("simulated streams are a CPU cache's")
-    with _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000) as r:
+    with _open(world, ALL if rule_on else ALL - {"R2"}, simulate=True, timeout_ms=60_000, near=False) as r:
         executor = r.seams.executor
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
@@ -469,7 +535,7 @@ def test_a_given_up_blocks_slot_is_freed_once_every_tp_rank_is_done(world, monke
     if T < 2 or DEVICE != "cpu":
         pytest.skip("needs TP ranks and simulated streams")
     monkeypatch.setenv("KVDIST_FAULTS", f"remote_fetch@{FETCHER * T + T - 1}")
-    with _open(world, simulate=True, timeout_ms=60_000) as r:
+    with _open(world, simulate=True, timeout_ms=60_000, near=False) as r:
         r.hold_prompt() if r.replica == HOLDER else None
         world.Barrier()
         if r.replica == FETCHER:

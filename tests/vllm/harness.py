@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -69,7 +77,8 @@ def model_config(tmp: Path) -> ModelConfig:
     return ModelConfig(model=str(tmp), skip_tokenizer_init=True, dtype="float16", seed=0)
 
 
-def vllm_config(model: ModelConfig, kvdist_yaml: Path, num_blocks: int, **extra) -> VllmConfig:
+def vllm_config(model: ModelConfig, kvdist_yaml: Path, num_blocks: int,
+                parallel: ParallelConfig | None = None, **extra) -> VllmConfig:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
     cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
@@ -80,7 +89,7 @@ def vllm_config(model: ModelConfig, kvdist_yaml: Path, num_blocks: int, **extra)
                           kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"kvdist_config": str(kvdist_yaml), **extra})
     return VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=kv,
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), parallel_config=parallel or ParallelConfig())
 
 
 def kv_cache_config(num_blocks: int, layout: KVCacheLayout, tp: int = 1) -> KVCacheConfig:
@@ -144,17 +153,18 @@ class Step:
 
 class Engine:
     def __init__(self, config: VllmConfig, num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LBNHC,
-                 tp: int = 1, ranks: list[int] | None = None):
+                 tp: int = 1, ranks: list[int] | None = None, workers: list[KVDistConnector] | None = None):
         """``ranks``: the TP workers this process runs (all ``tp`` by default; one, under
         mpiexec, where each MPI rank is one worker with a scheduler of its own, as vLLM's
-        ``external_launcher`` runs them)."""
+        ``external_launcher`` runs them). ``workers``: their connectors as vLLM built
+        them (``ensure_kv_transfer_initialized``), else built here."""
         self.config = config
         self.tp = tp
         self.ranks = list(range(tp)) if ranks is None else list(ranks)
         kcc = kv_cache_config(num_blocks, layout, tp)
         # vLLM's EngineCore: the workers register their KV caches, then the scheduler is
         # built and gets every worker's handshake metadata (_set_kv_connector_handshake_metadata)
-        self.workers = [KVDistConnector(config, KVConnectorRole.WORKER, kcc) for _ in self.ranks]
+        self.workers = workers or [KVDistConnector(config, KVConnectorRole.WORKER, kcc) for _ in self.ranks]
         self.kvs = [allocate_kv_cache(kcc, torch.device("cpu"), layout) for _ in self.ranks]
         for worker, kv in zip(self.workers, self.kvs):
             worker.register_kv_caches(kv)

@@ -2,6 +2,7 @@
 GPU prefix cache; kvdist keeps the host, disk and remote tiers behind them. See
 ``connector`` for the KVTransferConfig lines, README "Running vLLM with kvdist"."""
 
-__all__ = ["KVDistConnector"]
+__all__ = ["KVDistConnector", "launcher_env"]
 
 from .connector import KVDistConnector
+from .launcher import launcher_env

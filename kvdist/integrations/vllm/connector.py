@@ -66,7 +66,9 @@ class KVDistConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(ExternalPlanner(cfg), load_async)
         else:
-            self._worker = WorkerSide(cfg)
+            parallel = vllm_config.parallel_config
+            self._worker = WorkerSide(cfg, agree=parallel.distributed_executor_backend == "external_launcher",
+                                      tp=parallel.tensor_parallel_size)
 
     @property
     def planner(self) -> ExternalPlanner:

@@ -23,6 +23,14 @@ this worker's KV heads), over kvdist's ``ExternalCache``:
   report               this rank's recompute-policy figures, for the planner;
   get_block_ids_with_load_errors  engine blocks whose bytes kvdist did not load.
 
+Under vLLM's ``external_launcher`` (``agree``: every TP rank a process with its own
+scheduler) what ``get_finished``, ``load_errors`` and ``report`` give is agreed across
+the ranks each step (``agree``: one collective over kvdist's communicator), so every
+rank's scheduler takes the decisions vLLM's one scheduler would; that needs the ranks
+to be kvdist ranks of one job (``mpiexec``): a worker whose kvdist job is itself alone
+while vLLM's TP group is larger (``torchrun`` without MPI) stops at
+``register_kv_caches`` with one line.
+
 Invariants: the asynchronous loads named in ``_async`` are exactly those in flight whose
 completion vLLM waits for in ``finished_recving``; a synchronous load is never reported
 there (vLLM accepts only requests that wait for it). Every asynchronous load has copies or
@@ -36,18 +44,26 @@ from __future__ import annotations
 __all__ = ["WorkerSide"]
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
 from ...config import CacheConfig
+from ...errors import ConfigError
 from ...external import ExternalCache, create
+from .agree import Agreement, Report
 from .forward_clock import ForwardClock
 from .plan import KVDistConnectorMetadata, KVDistHandshake, KVDistWorkerMetadata
 
 
 class WorkerSide:
-    def __init__(self, cfg: CacheConfig) -> None:
+    def __init__(self, cfg: CacheConfig, agree: bool = False, tp: int = 1) -> None:
+        """``agree``: every TP rank runs its own scheduler (vLLM's external_launcher,
+        ``tp`` ranks): reports are agreed across the ranks (module docstring)."""
         self.cfg = cfg
+        self.agree, self.tp = agree, tp
+        self._agreement: Agreement | None = None
+        self._agreed: Report | None = None  # this step's agreed report (get_finished)
         self._cache: ExternalCache | None = None
         self._layer: dict[str, int] = {}
         self._async: set[str] = set()
@@ -66,10 +82,17 @@ class WorkerSide:
         device = next(iter(kv_caches.values())).device
         cache = create(self.cfg, comm=comm, device=device)
         try:
+            if self.agree and self.tp > 1 and cache.world_size == 1:
+                raise ConfigError("parallel_config.tensor_parallel_size", self.tp,
+                                  "under external_launcher every TP worker must be a rank of one kvdist job, "
+                                  "but this worker's is alone: start the workers with mpiexec (not torchrun "
+                                  "alone) and call kvdist.integrations.vllm.launcher_env() before LLM(...)")
             cache.register(kv_caches)
         except BaseException:
             cache.close(wait_for_peers=False)
             raise
+        if self.agree and cache.world_size > 1:
+            self._agreement = Agreement(cache.world_size)
         self._cache = cache
         self._layer = {name: i for i, name in enumerate(kv_caches)}
         self._clock = ForwardClock(device)
@@ -111,12 +134,25 @@ class WorkerSide:
         self._async -= loaded
         saved = self._held - self.cache.saving()
         self._held -= saved
-        return saved, loaded
+        if self._agreement is None:
+            return saved, loaded
+        mine = Report(frozenset(saved), frozenset(loaded), frozenset(self.cache.failed_blocks()),
+                      tuple(self.cache.figures()))
+        agreed = self._agreed = self._agreement.step(self.cache.allgather(mine, "the workers' step report"))
+        return set(agreed.saved), set(agreed.loaded)
 
     def load_errors(self) -> set[int]:
-        return self.cache.failed_blocks()
+        if self._agreement is None:
+            return self.cache.failed_blocks()
+        agreed = self._agreed
+        if agreed is None:
+            return set()
+        self._agreed = replace(agreed, failed=frozenset())  # named once; report() reads the figures
+        return set(agreed.failed)
 
     def report(self) -> KVDistWorkerMetadata:
+        if self._agreement is not None and self._agreed is not None:
+            return KVDistWorkerMetadata(self._agreed.figures)
         return KVDistWorkerMetadata(tuple(self.cache.figures()))
 
     def shutdown(self) -> None:

@@ -7,6 +7,13 @@ the TP group at step boundaries, so every rank of a replica admits the same requ
 the same step, and no step blocks on a read (vLLM v1's asynchronous KV loads: a request
 waits a step for its external blocks instead of the engine waiting for them).
 
+Blocks of a replica on this node are not waited for: ``cache.prefetch`` starts nothing
+for a request whose remote blocks all come from one (``RemoteTier.near``), so the gate
+admits it in the step it became runnable and ``add_sequence`` fetches them straight
+into its GPU slots by DMA — as fast as onboarding host hits, and running ahead, while
+the previous step's forward pass runs. Fetches from other nodes (MPI messages) and
+disk reads keep the gate.
+
 The main job also looks ahead (``PrefetchGate.prefetch`` for the requests next in
 line, before their GPU blocks can be reserved): a request is prefetched once, whichever
 comes first."""
