@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import kvdist
-from kvdist.events.publisher import offset_endpoint
+from kvdist.events.endpoints import connectable, offset_endpoint
 from kvdist.testing import Seams, create
 from tests.conftest import make_cfg
 
@@ -57,6 +57,15 @@ def test_ports_are_offset_by_replica():
     assert offset_endpoint("ipc:///tmp/kv", 2, "k") == "ipc:///tmp/kv_dp2"
     with pytest.raises(kvdist.ConfigError, match="cache.events.endpoint.*port 65537, past 65535"):
         offset_endpoint("tcp://127.0.0.1:65535", 2, "cache.events.endpoint")
+
+
+def test_a_wildcard_bind_is_connected_to_by_this_host_name():
+    host = socket.gethostname()
+    for bound in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557"):
+        assert connectable(bound) == f"tcp://{host}:5557"
+        assert connectable(connectable(bound)) == f"tcp://{host}:5557"
+    for bound in ("tcp://127.0.0.1:5557", "tcp://10.0.0.5:6000", "tcp://[::1]:6000", "ipc:///tmp/kv_dp1"):
+        assert connectable(bound) == bound
 
 
 def _taken_port() -> socket.socket:

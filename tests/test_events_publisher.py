@@ -1,17 +1,18 @@
-"""The publisher's thread is not woken by the step: ``submit`` only queues a batch;
-the thread publishes what is queued when its period comes round (or at ``close``), in
-order, whatever the number waiting."""
+"""The in-thread publisher (kept for ``bench events``): its thread is not woken by the
+step: ``submit`` only queues a batch; the thread publishes what is queued when its
+period comes round (or at ``close``), in order, whatever the number waiting."""
 
 from __future__ import annotations
 
 import threading
 import time
+from array import array
 
 import pytest
 
 pytest.importorskip("zmq")
 
-from kvdist.events.publisher import EventPublisher  # noqa: E402
+from kvdist.events.publisher import ThreadPublisher  # noqa: E402
 
 
 def test_submitting_wakes_nothing_and_close_publishes_every_batch_in_order():
@@ -20,18 +21,18 @@ def test_submitting_wakes_nothing_and_close_publishes_every_batch_in_order():
     interpreter — and all are built on the thread, in order, and sent, at close."""
     built: list[tuple[int, int]] = []  # (record, thread) of each batch built
 
-    def build(records):
-        built.append((records[0], threading.get_ident()))
+    def build(step):
+        built.append((step[0][3], threading.get_ident()))
         return []
 
-    pub = EventPublisher("tcp://127.0.0.1:0", None, "", 1000, 0, build, linger_s=10.0, period_s=60.0)
+    pub = ThreadPublisher("tcp://127.0.0.1:0", None, "", 1000, 0, build, linger_s=10.0, period_s=60.0)
     try:
         for i in range(100):
-            pub.submit([i])
+            pub.submit((array("Q", [4, 0, 0, i]), array("i")))
         time.sleep(0.3)  # a thread woken per batch would have built them all by now
-        assert built == [] and pub.published == 0 and pub.submitted == 100
+        assert built == [] and pub.stats()["published"] == 0 and pub.submitted == 100
     finally:
         pub.close()
     assert [r for r, _ in built] == list(range(100))
     assert {t for _, t in built} != {threading.get_ident()} and len({t for _, t in built}) == 1
-    assert (pub.published, pub.dropped) == (100, 0)
+    assert (pub.stats()["published"], pub.stats()["dropped"]) == (100, 0)

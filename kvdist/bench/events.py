@@ -1,16 +1,25 @@
 """``python -m kvdist bench events``: what KV cache events cost the step. The trace of
 ``bench manager`` (16 prompts per batch, prefilled in one step, then 48 decode steps)
 replayed through kvdist's :class:`~kvdist.manager.CacheManager` over GPU, host and disk
-tiers, with events off, recording only, the publisher's thread idle and events on,
-interleaved, side by side. Events on: the recorder (``kvdist.events``) hears every block
-stored into, moved between and dropped from the tiers, each step's records are queued at
-its end, and the publisher's thread builds, encodes and sends the batches on a loopback
-PUB socket (with ``--subscriber``, a subscriber process reads them all). The idle thread
-is the same thread, waking as often and sending a batch per step, but building no
-event: what sharing the interpreter with it costs the step, whatever it does. The
-replay never lets go of the interpreter (no GPU to wait for): the worst case for a
-thread beside it. Only bookkeeping is timed: no tensors, no copies (the transfer engine
-still orders every move)."""
+tiers, interleaved, side by side: events off; recording only (the recorder,
+``kvdist.events``, hears every block stored into, moved between and dropped from the
+tiers, and each step's records are taken at its end); and each step's records handed to
+a publisher — the cache's, a process of its own fed through shared memory
+(``kvdist.events.process``), or a thread of the cache's process
+(``kvdist.events.publisher``, as kvdist published before) — that builds, encodes and
+sends the batches on a loopback PUB socket (with ``--subscriber``, a subscriber process
+reads them all), or, idle, builds no event (empty batches: the publisher's presence
+alone), or (a process only) reads the steps from the ring and drops them: the step
+thread's own share, recording and the copy into the ring. A control: events off with
+a process beside it that keeps a CPU busy — on a machine of few cores (the dev box has
+two) a process on the other core slows the step thread's CPU as the publisher's own
+work does, whatever it is. Last, the events' own calls on the step thread, timed one by
+one (the cache's publisher): what the events' code itself takes of the step, whatever
+else runs on the machine. The replay never lets go of the interpreter (no GPU to wait for): the worst
+case for a thread beside it. Only bookkeeping is timed: no tensors, no copies (the
+transfer engine still orders every move). The step thread's CPU time is the figure
+(``time.thread_time``); the publisher's own CPU (its thread's, or its process's) is
+shown beside it."""
 
 from __future__ import annotations
 
@@ -54,24 +63,69 @@ class _Driver:
             self._after()
 
 
-OFF, RECORD, IDLE, ON = "events off", "recording only", "thread idle", "events on"
+class _Timed:
+    """The recorder's calls and the step's hand-over, each timed (``time.perf_counter_ns``
+    around it, the pair's own cost taken off): the CPU the events' code itself takes on
+    the step thread, whatever else runs on the machine."""
+
+    def __init__(self, recorder, end_step):
+        self.ns, self.calls = 0, 0
+        self._rec, self._end = recorder, end_step
+        for name in ("registered", "moved", "dropped", "landed"):
+            setattr(self, name, self._timed(getattr(recorder, name)))
+        self.end_step = self._timed(end_step)
+
+    def _timed(self, f):
+        clock = time.perf_counter_ns
+
+        def call(*args):
+            t0 = clock()
+            f(*args)
+            self.ns += clock() - t0
+            self.calls += 1
+        return call
+
+    @staticmethod
+    def clock_ns() -> float:
+        """What one timed call adds around the call itself (the two clock reads)."""
+        clock, n = time.perf_counter_ns, 100_000
+        t0 = clock()
+        for _ in range(n):
+            clock()
+            clock()
+        return (clock() - t0) / n
+
+
+OFF, RECORD = "events off", "recording only"
+BUSY = "events off, a busy process beside"
+PROC_READ, PROC_IDLE, PROC = "process, reading only", "process, idle", "process (the cache's)"
+THREAD_IDLE, THREAD = "thread, idle", "thread (before)"
+PUBLISHERS = {PROC_READ: ("process", "none"), PROC_IDLE: ("process", "empty"), PROC: ("process", "events"),
+              THREAD_IDLE: ("thread", "empty"), THREAD: ("thread", "events")}
+_BUSY = "while True: pass"  # BUSY's neighbour: a whole CPU
 
 
 def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
-        endpoint: str = "tcp://127.0.0.1:0") -> tuple[float, float, int, dict]:
+        endpoint: str = "tcp://127.0.0.1:0", timed: bool = False) -> tuple[float, float, int, dict]:
     """Seconds of the whole replay (wall clock, and CPU of the thread that steps), the
-    tier moves and drops it made, and the events' figures. ``RECORD``: the recorder on
-    the pool and each step's records taken at its end, no publisher thread (the step's
-    own share of ``ON``). ``IDLE``: ``ON`` with a publisher that builds no event (empty
-    batches): the thread's presence alone."""
+    tier moves and drops it made, and the events' figures (``events``: one of the
+    modes above). ``timed``: the events' calls on the step thread timed one by one
+    (``_Timed``; the figures gain ``timed_ns`` and ``timed_calls``)."""
     layout = KVLayout(1, 1, 1, "float16", block_size)
     m = CacheManager(layout, capacity, NullExecutor())
-    ev, after = None, None
-    if events in (ON, IDLE):
+    ev, after, busy = None, None, None
+    if events == BUSY:
+        busy = subprocess.Popen([sys.executable, "-c", _BUSY])
+        time.sleep(0.2)  # started
+    if events in PUBLISHERS:
         from ..events.channel import KVEvents
-        ev = KVEvents(EventsConfig(enabled=True, endpoint=endpoint), 0, m,
-                      build=(lambda records: []) if events == IDLE else None)
+        publisher, build = PUBLISHERS[events]
+        ev = KVEvents(EventsConfig(enabled=True, endpoint=endpoint), 0, m, publisher=publisher, build=build)
         after = ev.end_step
+        if timed:
+            clocked = _Timed(ev.recorder, ev.end_step)
+            m.pool.block_observer = clocked
+            after = clocked.end_step
     elif events == RECORD:
         from ..events.recorder import BlockRecorder
         recorder = BlockRecorder(m.meta, m.tpb)
@@ -82,10 +136,15 @@ def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
     cpu = time.thread_time()
     p, d = replay(trace, driver, m.begin_step, m.before_compute)
     cpu = time.thread_time() - cpu
+    if busy is not None:
+        busy.kill()
+        busy.wait()
     stats = {}
     if ev is not None:
         ev.close()
         stats = ev.stats()
+        if timed:
+            stats |= {"timed_ns": clocked.ns, "timed_calls": clocked.calls}
     moved = sum(m.counters.blocks_moved.values())
     return float(p.sum() + d.sum()), cpu, moved + m.counters.dropped, stats
 
@@ -119,42 +178,64 @@ def main(argv: list[str]) -> int:
         sub = subprocess.Popen([sys.executable, "-c", _SUBSCRIBER, endpoint], stdout=subprocess.PIPE,
                                text=True)
         sub.stdout.readline()
-    modes = (OFF, RECORD, IDLE, ON)
+    modes = (OFF, RECORD, PROC_READ, PROC_IDLE, PROC, THREAD_IDLE, THREAD, BUSY)
     runs: dict[str, list[tuple[float, float]]] = {e: [] for e in modes}
-    figures, moves, thread = {}, 0, []
+    figures: dict[str, dict] = {}
+    pub_cpu: dict[str, list[float]] = {e: [] for e in PUBLISHERS}
+    moves = 0
     with tqdm(total=len(modes) * args.repeat, desc="replaying", leave=False) as bar:
         for _ in range(args.repeat):
             for events in modes:  # interleaved, so drift hits all alike
                 wall, cpu, moves, f = run(trace, capacity, args.block_size, events, endpoint)
                 runs[events].append((wall, cpu))
-                if events in (ON, IDLE):
+                if events in PUBLISHERS:
                     time.sleep(0.2)  # the port of the last run is free again
-                if events == ON:
-                    figures = f
-                    thread.append(f["thread_seconds"])
+                    figures[events] = f
+                    pub_cpu[events].append(f["publisher_seconds"])
+                    assert (f["published"] == (0 if events == PROC_READ else f["submitted"])
+                            and f["dropped"] == 0), f"{events}: batches lost: {f}"
                 bar.update()
+    direct = []  # the events' own calls on the step thread, µs a step (the cache's publisher)
+    clock_ns = _Timed.clock_ns()
+    for _ in range(args.repeat):
+        f = run(trace, capacity, args.block_size, PROC, endpoint, timed=True)[3]
+        direct.append((f["timed_ns"] - f["timed_calls"] * clock_ns) / 1e3 / trace.steps)
+        time.sleep(0.2)
     received = None
     if sub is not None:
         received = int(sub.communicate(timeout=120)[0].split()[-1])
     steps = trace.steps
     wall = {e: min(w for w, _ in runs[e]) / steps * 1e6 for e in runs}
     cpu = {e: min(c for _, c in runs[e]) / steps * 1e6 for e in runs}
-    rows = [[OFF, f"{wall[OFF]:.1f}", f"{cpu[OFF]:.1f}", "", "", ""]]
-    for e in (RECORD, IDLE, ON):
+    rows = [[OFF, f"{wall[OFF]:.1f}", f"{cpu[OFF]:.1f}", "", "", ""]]  # the others against it
+    for e in modes[1:]:
         rows.append([e, f"{wall[e]:.1f}", f"{cpu[e]:.1f}", f"{cpu[e] - cpu[OFF]:+.2f}",
                      f"{(cpu[e] / cpu[OFF] - 1) * 100:+.1f}%",
-                     f"{min(thread) / steps * 1e6:.1f}" if e == ON else ""])
-    print(f"\nper-step bookkeeping, best of {args.repeat}; {figures['published']:,} batches a run, "
-          f"{moves:,} tier moves and drops")
+                     f"{min(pub_cpu[e]) / steps * 1e6:.1f}" if e in PUBLISHERS else ""])
+    f = figures[PROC]
+    print(f"\nper-step bookkeeping, best of {args.repeat}; {f['published']:,} batches a run (each run's "
+          f"every one published: none dropped), {moves:,} tier moves and drops")
     print(tabulate(rows, headers=["", "wall µs/step", "step thread CPU µs/step", "added", "overhead",
-                                  "publisher thread CPU µs/step"], disable_numparse=True))
+                                  "publisher CPU µs/step"], disable_numparse=True))
     if received is not None:
-        print(f"the subscriber process read {received:,} batches of the {2 * args.repeat} runs with a "
-              "publisher (events on and thread idle, whose batches are empty; each run binds "
-              "a new socket; what one sends before the subscriber has reconnected is lost to it)")
-    overhead = cpu[ON] / cpu[OFF] - 1
-    print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:.1f}% "
-          f"{'PASS' if overhead < 0.01 else 'MISS'} (recording alone: "
-          f"{(cpu[RECORD] / cpu[OFF] - 1) * 100:+.1f}%; with the thread idle beside it: "
-          f"{(cpu[IDLE] / cpu[OFF] - 1) * 100:+.1f}%)")
+        print(f"the subscriber process read {received:,} batches of the {len(PUBLISHERS) * args.repeat} runs "
+              "with a publisher (the idle ones' batches are empty; each run binds a new socket; what one "
+              "sends before the subscriber has reconnected is lost to it)")
+    own_us = min(direct)
+    print(f"the events' own calls on the step thread (recording and the hand-over to the process, each "
+          f"call timed, best of {args.repeat}): {own_us:.2f} µs a step, {own_us / cpu[OFF] * 100:.2f}% of "
+          f"the step with events off")
+
+    def pct(e: str) -> str:
+        return f"{(cpu[e] / cpu[OFF] - 1) * 100:+.1f}%"
+
+    overhead = cpu[PROC] / cpu[OFF] - 1
+    own = cpu[PROC_READ] / cpu[OFF] - 1
+    print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:+.1f}% "
+          f"{'PASS' if overhead < 0.01 else 'MISS'}; the step thread's own share (recording and the copy "
+          f"into the ring, the child only draining it): {own * 100:+.1f}% "
+          f"{'PASS' if own < 0.01 else 'MISS'}. "
+          f"Recording alone: {pct(RECORD)}; the publisher in a thread instead: {pct(THREAD)}; the step "
+          f"with events off beside a process that keeps a CPU busy: {pct(BUSY)} (on a machine of few "
+          f"cores, what the publisher's own CPU costs the step)")
     return 0

@@ -1,5 +1,5 @@
-"""A step's records (``kvdist.events.recorder``) as vLLM events, on the publisher's
-thread: one :class:`~kvdist.events.wire.BlockStored` per run of chained blocks stored
+"""A step's records (``kvdist.events.recorder``) as vLLM events, in the publisher's
+process (or thread): one :class:`~kvdist.events.wire.BlockStored` per run of chained blocks stored
 into one medium (each hash the parent of the next, token ids concatenated), one
 :class:`~kvdist.events.wire.BlockRemoved` per run of removals from one medium, in the
 order the cache made the changes, so that applying them in order gives each tier's
@@ -27,7 +27,7 @@ import msgspec
 
 from ..blocks import DISK, GPU, HOST, SlotSpace
 from ..prefix import MASK64, chain_hashes, digest_bytes
-from .recorder import CLEARED, DROPPED, LANDED, MOVED, REGISTERED, Record
+from .recorder import CLEARED, DROPPED, LANDED, MOVED, REGISTERED, Record, StepRecords, records
 from .wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 __all__ = ["UNKNOWN", "EventBuilder", "list_header"]
@@ -64,10 +64,11 @@ class EventBuilder:
     def _medium(self, slot: int) -> str:
         return MEDIA[(slot >= self._host) + (slot >= self._disk)]
 
-    def events(self, records: list[Record]) -> list[KVCacheEvent]:
+    def events(self, step: StepRecords) -> list[KVCacheEvent]:
+        """The events of one step's records (``BlockRecorder.take``)."""
         self._out, self._parts = [], []
         drops: list[Record] = []  # waiting for the moves they came between
-        for r in records:
+        for r in records(*step, self._block_size):
             kind = r[0]
             if kind == DROPPED:
                 drops.append(r)
@@ -108,13 +109,11 @@ class EventBuilder:
         self._out.append(ev)
         self._parts.append(parts)
 
-    def _registered(self, slots: list[int], tokens: array, start: int, end: int,
-                    parent128: int | None) -> None:
+    def _registered(self, slots: list[int], tokens: array, parent128: int | None) -> None:
         held, tpb, gpu, encode = self._held, self._block_size, MEDIA[GPU], self._encode
         hashes_at, info = self._hash, self._info
-        slots, tokens = slots[start:end], tokens[start * tpb : end * tpb]  # copies: the step may extend them
         hashes = chain_hashes(self._salt if parent128 is None else digest_bytes(parent128),
-                              memoryview(tokens).cast("B"), 0, end - start, tpb)
+                              memoryview(tokens).cast("B"), 0, len(slots), tpb)
         ids = tokens.tolist()
         parent = None if parent128 is None else parent128 & MASK64
         t = 0

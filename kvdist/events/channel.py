@@ -5,41 +5,61 @@ endpoint that cannot be bound fails the start-up like any other local error."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Literal, Protocol
 
 from ..config import EventsConfig
 from ..manager import CacheManager
-from .batcher import EventBuilder
-from .publisher import EventPublisher, offset_endpoint
-from .recorder import BlockRecorder, Record
-from .wire import KVCacheEvent
+from .endpoints import replica_endpoints
+from .recorder import HEADER_WORDS, BlockRecorder, StepRecords
 
-__all__ = ["KVEvents"]
+__all__ = ["KVEvents", "Publisher"]
+
+
+class Publisher(Protocol):
+    """What the channel needs of a publisher (``kvdist.events.process``, ``.publisher``)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+
+    def submit(self, step: StepRecords) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class KVEvents:
-    """Records the manager's block changes and publishes them once per step."""
+    """Records the manager's block changes and hands each step's to the publisher."""
 
     def __init__(self, cfg: EventsConfig, replica: int, manager: CacheManager,
-                 build: Callable[[list[Record]], list[KVCacheEvent]] | None = None):
-        """``build``: a step's records -> its events, on the publisher's thread (default:
-        an :class:`EventBuilder`'s; ``bench events`` gives one that builds nothing)."""
-        replay = cfg.replay_endpoint
-        if build is None:
-            build = EventBuilder(manager.space, manager.tpb, manager.salt).events
-        self.publisher = EventPublisher(
-            offset_endpoint(cfg.endpoint, replica, "cache.events.endpoint"),
-            None if replay is None else offset_endpoint(replay, replica, "cache.events.replay_endpoint"),
-            cfg.topic, cfg.buffer_steps, replica, build)
+                 publisher: Literal["process", "thread"] = "process",
+                 build: Literal["events", "empty", "none"] = "events"):
+        """``publisher``: a process of its own (the cache's) or a thread of this one
+        (``bench events`` compares them). ``build``: ``"empty"``, a publisher that
+        builds no event (empty batches), ``"none"`` (a process only), one that reads the
+        steps and drops them: ``bench events``' idle runs."""
+        endpoint, replay = replica_endpoints(cfg, replica)
+        self.publisher: Publisher
+        if publisher == "process":
+            from .process import ProcessPublisher
+            self.publisher = ProcessPublisher(endpoint, replay, cfg.topic, cfg.buffer_steps, replica,
+                                              manager.space.capacity, manager.tpb, manager.salt, build=build)
+        else:
+            from .batcher import EventBuilder
+            from .publisher import ThreadPublisher
+            self.publisher = ThreadPublisher(
+                endpoint, replay, cfg.topic, cfg.buffer_steps, replica,
+                EventBuilder(manager.space, manager.tpb, manager.salt).events if build == "events"
+                else lambda step: [])
         self.recorder = BlockRecorder(manager.meta, manager.tpb)
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder
 
     def end_step(self) -> None:
-        """The step's changes, if any, become the next batch (sent by the thread)."""
-        records = self.recorder.take()
-        if records:
-            self.publisher.submit(records)
+        """The step's changes, if any, become the next batch."""
+        step = self.recorder.take()
+        if len(step[0]) > HEADER_WORDS:
+            self.publisher.submit(step)
 
     def close(self) -> None:
         """Publish what is left and AllBlocksCleared, then stop (idempotent)."""
@@ -52,7 +72,4 @@ class KVEvents:
         self.publisher.close()
 
     def stats(self) -> dict:
-        p = self.publisher
-        return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "submitted": p.submitted,
-                "published": p.published, "dropped": p.dropped, "replays": p.replays,
-                "thread_seconds": p.thread_seconds}
+        return self.publisher.stats()

@@ -1,41 +1,53 @@
 """The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` that writes
-down, in order, what changed the blocks of the tiers during a step. It does the least
-it can on the step's path — one tuple appended per registration, per run of moves (the
-pool's, handed over whole at ``submit_moves``), per drop and per landing — and leaves
-working out which block each change concerns, and building and encoding the events, to
-the publisher's thread (``kvdist.events.batcher``).
+down, in order, what changed the blocks of the tiers during a step, as two flat typed
+arrays — no Python object per block or per change is kept: ``ops`` (unsigned 64-bit
+words) and ``toks`` (the registered blocks' token ids, int32). Each observer call
+appends to them in one or two C calls; ``take`` hands the step's pair over, and the
+publisher (``kvdist.events.process``: another process) copies their bytes as they are.
+Working out which block each change concerns, and building and encoding the events,
+is the builder's (``kvdist.events.batcher``), off the step's path.
 
-What the thread cannot work out later is captured now (the slots may be reused before
-the thread runs): the 128-bit hash of the block before a registration's first, from
-which the thread chains the registered blocks' hashes from their token ids as the
-manager did (a sequence's slots and tokens only grow: the record holds the sequence's
-own lists and the range), and a landed block's hash. Moves and drops name slots alone: the thread
-follows each block from slot to slot in its own copy of the slots' hashes.
+What the builder cannot work out later is captured now (the slots are reused): a
+registration's slots and token ids, the 128-bit hash of the block before its first
+(from which the builder chains the registered blocks' hashes as the manager did), and a
+landed block's wire hash. Moves and drops name slots alone: the builder follows each
+block from slot to slot in its own copy of the slots' hashes.
 
-Records, oldest first:
+``ops`` starts with three header words — its own length in words, the number of
+``toks``, the time of ``take`` (ns since the epoch) — filled in by ``take``: a step's
+``ops`` and ``toks`` are then one self-describing message. Then, oldest first, each
+entry an opcode and its words:
 
-* ``(REGISTERED, slots, int32 token ids, start, end, parent 128-bit hash | None)``: a
-  sequence's GPU ``slots[start:end]`` registered its blocks ``start .. end-1``
-  (``tokens_per_block`` token ids a block), chained from the parent (None: the first
-  block, chained from the layout's salt); a block whose hash is cached already stays
-  private (no event);
-* ``(MOVED, srcs, dsts)``: the blocks of ``srcs`` moved to ``dsts``, in order;
-* ``(DROPPED, slot, after)``: the block of ``slot`` left the cache after the first
-  ``after`` moves of the next ``MOVED`` record (0 when none follows in its call);
-* ``(LANDED, slot, wire hash)``: a block fetched from another replica;
-* ``(CLEARED,)``: every block is gone (the cache closes)."""
+* ``REGISTERED n p hi lo slot*n``: the GPU slots registered ``n`` blocks
+  (``tokens_per_block`` ids each, next in ``toks``), chained from the parent hash
+  ``hi << 64 | lo`` (``p`` = 1), or from the layout's salt (``p`` = 0: a sequence's
+  first block); a block whose hash is cached already stays private (no event);
+* ``MOVED n src*n dst*n``: the blocks of ``srcs`` moved to ``dsts``, in order;
+* ``DROPPED slot after``: the block of ``slot`` left the cache after the first ``after``
+  moves of the next ``MOVED`` (0 when none follows in its call);
+* ``LANDED slot hash``: a block fetched from another replica (its wire hash);
+* ``CLEARED``: every block is gone (the cache closes).
+
+:func:`records` turns a step's pair back into tuples, for the builder."""
 
 from __future__ import annotations
 
+import time
 from array import array
+from collections.abc import Iterator
 
 from ..blocks import BlockMeta
 
-__all__ = ["CLEARED", "DROPPED", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record"]
+__all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
+           "StepRecords", "records", "step_time"]
 
 REGISTERED, MOVED, DROPPED, LANDED, CLEARED = range(5)
 
 Record = tuple
+StepRecords = tuple  # (ops: array("Q"), toks: array("i")) of one step
+HEADER_WORDS = 3
+_BLANK = array("Q", (HEADER_WORDS, 0, 0))  # a step's ops before its first record
+_EMPTY: StepRecords = (_BLANK, array("i"))
 
 
 class BlockRecorder:
@@ -46,31 +58,77 @@ class BlockRecorder:
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
         self._hi, self._lo = meta.hi_mv, meta.lo_mv  # a block's 128-bit hash; the low half: its wire hash
         self._tpb = tokens_per_block
-        self._log: list[Record] = []
+        self._ops = _BLANK[:]
+        self._toks = array("i")
 
     # -- the BlockObserver protocol --------------------------------------------------------------
     def registered(self, slots: list[int], tokens: array, start: int, end: int) -> None:
-        # The sequence's own lists, not copies: they only grow (kvdist.sequences.Sequence),
-        # so what lies below ``end`` stays as it is for the thread.
-        p = slots[start - 1] if start else None
-        self._log.append((REGISTERED, slots, tokens, start, end,
-                          None if p is None else self._hi[p] << 64 | self._lo[p]))
+        ops = self._ops
+        if start:
+            p = slots[start - 1]
+            ops.extend((REGISTERED, end - start, 1, self._hi[p], self._lo[p]))
+        else:
+            ops.extend((REGISTERED, end - start, 0, 0, 0))
+        ops.extend(slots[start:end])
+        self._toks.extend(tokens[start * self._tpb : end * self._tpb])
 
     def moved(self, srcs: list[int], dsts: list[int]) -> None:
-        self._log.append((MOVED, srcs, dsts))
+        ops = self._ops
+        ops.extend((MOVED, len(srcs)))
+        ops.extend(srcs)
+        ops.extend(dsts)
 
     def dropped(self, slot: int, after: int) -> None:
-        self._log.append((DROPPED, slot, after))
+        self._ops.extend((DROPPED, slot, after))
 
     def landed(self, slot: int) -> None:
-        self._log.append((LANDED, slot, self._lo[slot]))
+        self._ops.extend((LANDED, slot, self._lo[slot]))
 
     # -- steps -------------------------------------------------------------------------------------
     def cleared(self) -> None:
         """Every block is gone (the cache closes)."""
-        self._log.append((CLEARED,))
+        self._ops.append(CLEARED)
 
-    def take(self) -> list[Record]:
-        """The records since the last call, oldest first."""
-        log, self._log = self._log, []
-        return log
+    def take(self) -> StepRecords:
+        """The records since the last call, ``(ops, toks)``, the header filled in
+        (``ops`` of the header alone when nothing changed: do not send it)."""
+        ops, toks = self._ops, self._toks
+        if len(ops) == HEADER_WORDS:
+            return _EMPTY
+        ops[0], ops[1], ops[2] = len(ops), len(toks), time.time_ns()
+        self._ops, self._toks = _BLANK[:], array("i")
+        return ops, toks
+
+
+def step_time(ops: array | memoryview) -> float:
+    """The time a step's records were taken (seconds since the epoch)."""
+    return ops[2] / 1e9
+
+
+def records(ops: array | memoryview, toks: array | memoryview, tpb: int) -> Iterator[Record]:
+    """A step's ``(ops, toks)`` as tuples, oldest first: ``(REGISTERED, slots, token
+    ids (array "i"), parent 128-bit hash | None)``, ``(MOVED, srcs, dsts)``,
+    ``(DROPPED, slot, after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``."""
+    i, t, n_ops = HEADER_WORDS, 0, len(ops)
+    while i < n_ops:
+        op = ops[i]
+        if op == REGISTERED:
+            n, has_parent = ops[i + 1], ops[i + 2]
+            parent = ops[i + 3] << 64 | ops[i + 4] if has_parent else None
+            i += 5
+            yield REGISTERED, list(ops[i : i + n]), array("i", toks[t : t + n * tpb]), parent
+            i += n
+            t += n * tpb
+        elif op == MOVED:
+            n = ops[i + 1]
+            i += 2
+            yield MOVED, list(ops[i : i + n]), list(ops[i + n : i + 2 * n])
+            i += 2 * n
+        elif op == DROPPED or op == LANDED:
+            yield op, ops[i + 1], ops[i + 2]
+            i += 3
+        else:
+            assert op == CLEARED, f"unknown record {op} at word {i}"
+            yield (CLEARED,)
+            i += 1
+    assert t == len(toks), f"{len(toks) - t} token ids left over"

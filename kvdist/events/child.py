@@ -1,0 +1,141 @@
+"""``python -m kvdist.events.child``: the publisher's process (``kvdist.events.process``
+starts it, with the interpreter of the cache's process; never by fork).
+
+Its standard input is the control pipe: the first line is its settings (JSON); then
+nothing comes but the end of file, when the parent closes it or dies. It answers one
+line (JSON) on standard output once its sockets are bound: their endpoints, or the
+ConfigError that binding raised. Then, every ``period_s`` and whenever a replay
+request or the end of file comes, it reads what the step thread wrote to the ring
+(``kvdist.events.ring``: a step's ``ops`` and ``toks`` as ``kvdist.events.recorder``
+writes them), publishes each step as the
+next batch (``kvdist.events.server``), answers replays — a replay therefore holds every
+batch written before its request came — and writes its figures in the ring's header.
+At the end of file it publishes what is left, lets the sockets send (``linger_s``)
+and exits.
+
+It dies with its parent: the end of file of the control pipe (the kernel closes the
+parent's end however the parent ends), and on Linux ``PR_SET_PDEATHSIG`` (SIGKILL when
+the thread that started it ends: asked for only when that is the main thread). Ctrl-C
+at a terminal reaches the whole process group: this process ignores SIGINT and ends by
+the pipe, after its parent."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import struct
+import sys
+import time
+from array import array
+
+__all__ = ["FIGURES", "main"]
+
+_COUNTS = struct.Struct("=QQ")  # a step's first two words: its ops and its toks
+# Header words of the ring (after HEAD, TAIL) this process keeps current, in order.
+FIGURES = ("published", "replays", "failed", "cpu_ns", "alive")  # cpu_ns: since its sockets were bound
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the pipe alone
+        return
+    if os.getppid() != parent:  # the parent died before the call above
+        raise SystemExit(0)
+
+
+class _Steps:
+    """Cuts the stream into steps (``ops`` then ``toks``; ``ops``' first two words
+    count both: ``kvdist.events.recorder``)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[array, array]]:
+        buf = self._buf
+        buf += data
+        out, at = [], 0
+        while len(buf) - at >= 16:
+            n_ops, n_toks = _COUNTS.unpack_from(buf, at)
+            end = at + 8 * n_ops + 4 * n_toks
+            if end > len(buf):
+                break
+            ops, toks = array("Q"), array("i")
+            ops.frombytes(buf[at : at + 8 * n_ops])
+            toks.frombytes(buf[at + 8 * n_ops : end])
+            out.append((ops, toks))
+            at = end
+        del buf[:at]
+        return out
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    settings = json.loads(sys.stdin.buffer.readline() or b"null")
+    if settings is None:
+        return 0  # the parent went before saying anything
+    if settings["die_with_parent"]:
+        _die_with_parent(settings["parent_pid"])
+
+    import zmq
+
+    from ..blocks import SlotSpace
+    from ..errors import ConfigError
+    from .batcher import EventBuilder
+    from .ring import RingReader
+    from .server import EventServer
+
+    ring = RingReader(settings["ring_fd"], settings["ring_bytes"])
+    os.close(settings["ring_fd"])
+    if settings["build"] == "events":
+        build = EventBuilder(SlotSpace(tuple(settings["capacity"])), settings["block_size"],
+                             bytes.fromhex(settings["salt"])).events
+    else:  # bench events: empty batches ("empty"), or nothing read but the ring's bytes ("none")
+        def build(step):
+            return []
+    out = sys.stdout
+    try:
+        server = EventServer(settings["endpoint"], settings["replay_endpoint"], settings["topic"],
+                             settings["buffer_steps"], settings["data_parallel_rank"], build,
+                             linger_s=settings["linger_s"])
+    except ConfigError as e:
+        out.write(json.dumps({"error": [e.key, e.value, e.problem]}) + "\n")
+        out.flush()
+        ring.close()
+        return 2
+    out.write(json.dumps({"endpoint": server.endpoint, "replay_endpoint": server.replay_endpoint}) + "\n")
+    out.flush()
+
+    steps, words, first = _Steps(), ring.words, 2
+    poller = zmq.Poller()
+    poller.register(0, zmq.POLLIN)
+    if server.replay is not None:
+        poller.register(server.replay, zmq.POLLIN)
+    period_ms = max(1, int(settings["period_s"] * 1000))
+    ending = False
+    words[first + FIGURES.index("alive")] = 1
+    cpu0 = time.process_time_ns()  # the figure: CPU spent publishing, not starting
+    while not ending:
+        ready = dict(poller.poll(period_ms))
+        if ready.get(0):
+            ending = os.read(0, 4096) == b""  # nothing else ever comes
+        data = ring.read()
+        if settings["build"] != "none":
+            for step in steps.feed(data):
+                server.publish(step)
+        server.serve_replays()
+        for i, v in enumerate((server.published, server.replays, server.failed,
+                               time.process_time_ns() - cpu0, 1)):
+            words[first + i] = v
+    words[first + FIGURES.index("alive")] = 0
+    server.close()
+    ring.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The events' publisher in a process of its own (``kvdist.events.child``), fed through
+shared memory (``kvdist.events.ring``): the step thread's whole share of publishing is
+to copy a step's two record arrays into the ring — no system call, no lock, no
+thread of this process woken, nothing built or encoded here. The child builds the
+events, encodes them, numbers and sends the batches and serves
+replays; its CPU is not this process's, and it never holds this process's interpreter.
+
+The child is started with this process's interpreter (``subprocess``: fork and exec at
+once; safe after MPI's start-up, unlike a bare fork) and dies with it (the child's
+docstring). ``close`` ends the child after it has published everything written and
+leaves no process, socket or file behind (the ring has no name).
+
+The ring is bounded (``ring_bytes``). A step that finds it full waits for the child;
+when the child is gone, or has taken nothing for ``stall_s``, the stream ends there:
+a warning, and later steps are counted in ``dropped`` (subscribers stop hearing the
+replica; nothing is numbered past the last batch written)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+from ..errors import ConfigError
+from .child import FIGURES
+from .recorder import StepRecords
+from .ring import HEAD, TAIL, RingWriter, make_ring_fd
+
+__all__ = ["PERIOD_S", "RING_BYTES", "ProcessPublisher"]
+
+log = logging.getLogger("kvdist.events")
+
+RING_BYTES = 16 << 20  # the steps the child has not read yet (about 1 KiB a step on bench events' trace)
+# The child looks at the ring this often (and at once for a replay request or the end).
+# On the dev box's two vCPUs any process's wake beside the step costs the step (bench
+# events): a process sleeping 1 / 5 / 50 ms at a time cost it +10.5% / +2.9% / +0.8%.
+PERIOD_S = 0.02
+_START_S = 120.0  # the child's start-up (an interpreter and its imports, on a loaded node)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds kvdist
+
+
+class ProcessPublisher:
+    """PUB and replay sockets of one replica, served by a child process (module
+    docstring). Binding errors raise here, as :class:`ConfigError` naming the key.
+    ``build``: what the child does with the steps — publishes their events; publishes
+    empty batches; or reads them and drops them (the last two for ``bench events``)."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
+                 data_parallel_rank: int, capacity: tuple[int, int, int], block_size: int, salt: bytes,
+                 build: Literal["events", "empty", "none"] = "events", linger_s: float = 1.0,
+                 period_s: float = PERIOD_S, ring_bytes: int = RING_BYTES, stall_s: float = 30.0):
+        self.data_parallel_rank = data_parallel_rank
+        self._linger_s, self._stall_s = linger_s, stall_s
+        self.submitted = 0  # batches written to the ring (numbered 0 .. submitted-1 by the child)
+        self.dropped = 0  # batches not written: the child was gone or stalled
+        self._ring: RingWriter | None = None
+        self._proc: subprocess.Popen | None = None
+        self._final: dict[str, int] | None = None
+        fd = make_ring_fd(ring_bytes)
+        try:
+            self._ring = RingWriter(fd, ring_bytes)
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
+            self._proc = subprocess.Popen([sys.executable, "-m", "kvdist.events.child"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,),
+                                          env=env)
+            settings = {"ring_fd": fd, "ring_bytes": ring_bytes, "endpoint": endpoint,
+                        "replay_endpoint": replay_endpoint, "topic": topic, "buffer_steps": buffer_steps,
+                        "data_parallel_rank": data_parallel_rank, "capacity": list(capacity),
+                        "block_size": block_size, "salt": salt.hex(), "build": build, "linger_s": linger_s,
+                        "period_s": period_s, "parent_pid": os.getpid(),
+                        "die_with_parent": threading.current_thread() is threading.main_thread()}
+            self._proc.stdin.write(json.dumps(settings).encode() + b"\n")
+            self._proc.stdin.flush()
+            reply = self._reply()
+        except BaseException:
+            self._end(kill=True)
+            raise
+        finally:
+            os.close(fd)
+        if "error" in reply:
+            self._end(kill=False)
+            key, value, problem = reply["error"]
+            raise ConfigError(key, value, problem)
+        self.endpoint: str = reply["endpoint"]
+        self.replay_endpoint: str | None = reply["replay_endpoint"]
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None once closed)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _reply(self) -> dict:
+        out = self._proc.stdout
+        ready, _, _ = select.select([out], [], [], _START_S)
+        line = out.readline() if ready else b""
+        if not line:
+            raise RuntimeError(f"kvdist events: the publisher process did not start (exit status "
+                               f"{self._proc.poll()}; its error, if any, is above)")
+        return json.loads(line)
+
+    # -- the step thread ------------------------------------------------------------------------------
+    def submit(self, step: StepRecords) -> None:
+        """Hand one step's records over as the next batch (copied into the ring)."""
+        ring = self._ring
+        if ring is None or self.dropped:
+            self.dropped += 1
+            return
+        ops, toks = step
+        if ring.write(ops, len(ops) * 8, toks, len(toks) * 4, self._wait):
+            self.submitted += 1
+            if self._waited is not None:
+                self._waited = None
+        else:
+            self.dropped += 1
+            log.warning("kvdist events: the publisher process %s; no more events are published",
+                        "has exited" if self._proc.poll() is not None else
+                        f"took nothing for {self._stall_s:.0f} s")
+
+    def _wait(self) -> bool:
+        """Waiting for room in the ring: False to give up."""
+        if self._waited is None:
+            self._waited = time.monotonic()
+        if self._proc.poll() is not None or time.monotonic() - self._waited > self._stall_s:
+            return False
+        time.sleep(0.001)
+        return True
+
+    _waited: float | None = None
+
+    # -- figures and the end ----------------------------------------------------------------------------
+    def figures(self) -> dict[str, int]:
+        """The child's figures (``kvdist.events.child.FIGURES``) as it last wrote them,
+        and the ring's bytes it has not read yet (``unread``)."""
+        if self._final is None:
+            return self._read_figures()
+        return dict(self._final)
+
+    def stats(self) -> dict:
+        f = self.figures()
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "submitted": self.submitted, "published": f["published"],
+                "dropped": self.dropped + f["failed"], "replays": f["replays"],
+                "publisher_seconds": f["cpu_ns"] / 1e9, "publisher": "process", "pid": self.pid}
+
+    def _read_figures(self) -> dict[str, int]:
+        words = self._ring.words
+        return {k: words[2 + i] for i, k in enumerate(FIGURES)} | {"unread": words[HEAD] - words[TAIL]}
+
+    def close(self) -> None:
+        """Let the child publish what was written, and end it (idempotent)."""
+        if self._proc is None:
+            return
+        self._end(kill=False)
+
+    def _end(self, kill: bool) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if kill:
+                proc.kill()
+            try:
+                proc.stdin.close()  # the end of file: publish what is left and go
+            except OSError:
+                pass
+            try:
+                proc.wait(self._linger_s + 30.0)
+            except subprocess.TimeoutExpired:
+                log.warning("kvdist events: the publisher process did not end; killed")
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        if self._ring is not None:
+            self._final = self._read_figures()
+            self._ring.close()
+            self._ring = None
