@@ -12,7 +12,7 @@ from ..errors import ConfigError
 
 __all__ = ["connectable", "offset_endpoint", "replica_endpoints"]
 
-_WILDCARDS = ("*", "0.0.0.0", "[::]", "[::0]", "::")
+_WILDCARDS = ("*", "0.0.0.0", "[::]", "[::0]", "::", "[0:0:0:0:0:0:0:0]")
 
 
 def offset_endpoint(endpoint: str, replica: int, key: str) -> str:

@@ -48,13 +48,12 @@ def bind_host(cfg: CacheConfig) -> str:
 
 def connectable(bound: str) -> str:
     """The endpoint another node connects to, from one a socket bound (ZMQ's
-    ``LAST_ENDPOINT``): a wildcard host (``0.0.0.0``, ``[::]``) becomes this host's name;
-    anything else is returned unchanged (a bind to an interface name reports its
-    numeric address already)."""
-    if not bound.startswith("tcp://"):
-        return bound
-    host, _, port = bound.removeprefix("tcp://").rpartition(":")
-    return f"tcp://{socket.gethostname()}:{port}" if host in _WILDCARDS else bound
+    ``LAST_ENDPOINT``): the events' rule (``kvdist.events.endpoints.connectable``: a
+    wildcard host becomes this host's name), imported here only when called, since
+    this module is imported without the events extra."""
+    from ...events.endpoints import connectable as events_connectable
+
+    return events_connectable(bound)
 
 
 def is_loopback(endpoint: str) -> bool:
