@@ -112,12 +112,15 @@ class DiskTierConfig(_Section):
         return v if v in (None, paths.AUTO) else os.path.abspath(v)
 
 
-_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|(ipc|inproc)://\S+")
+_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|ipc://\S+")
 
 
 def _endpoint(v: str | None) -> str | None:
+    # No inproc://: the events are published by a process of its own, which no socket of
+    # another process can reach in-process.
     if v is not None and (not (m := _ENDPOINT.fullmatch(v)) or (m[2] is not None and int(m[2]) > 65535)):
-        raise ValueError("must be tcp://HOST:PORT (PORT 0..65535; 0 = any free port), ipc://PATH or inproc://NAME")
+        raise ValueError("must be tcp://HOST:PORT (PORT 0..65535; 0 = any free port) or ipc://PATH "
+                         "(inproc:// cannot be reached: the publisher is a process of its own)")
     return v
 
 

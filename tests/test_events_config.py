@@ -31,6 +31,7 @@ def test_defaults_are_off_and_loopback():
     ("endpoint", "tcp://127.0.0.1:65536", "PORT 0..65535"),
     ("endpoint", "tcp://127.0.0.1", "tcp://HOST:PORT"),
     ("replay_endpoint", "udp://x:1", "tcp://HOST:PORT"),
+    ("endpoint", "inproc://kv", "the publisher is a process of its own"),
     ("enabled", "yes", "boolean"),
     ("buffer_steps", 0, "greater than 0"),
     ("topic", 3, "string"),
