@@ -23,5 +23,6 @@ def test_routing_across_two_nodes(bed, flavor):
                  "--with-mpi", str(RANKS.relative_to(jobs.ROOT)))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     tests = len(re.findall(r"^def test_", RANKS.read_text(), flags=re.MULTILINE))
-    assert re.findall(r"(\d+) passed in", out.stdout) == [str(tests)] * 4, out.stdout[-3000:]
+    passed = re.findall(r"(\d+) passed(?:, \d+ warnings?)? in", out.stdout)  # a rank may warn
+    assert passed == [str(tests)] * 4, out.stdout[-3000:]
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}
