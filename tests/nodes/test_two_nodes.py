@@ -62,10 +62,16 @@ def test_nodes_are_two_isolated_hosts(bed):
 def test_ranks_on_two_nodes(bed, flavor):
     """Every check of ranks_two_nodes.py passes on all four ranks (none skips); no disk
     file is left on either node."""
+    every_check_passes(bed, flavor, RANKS)
+
+
+def every_check_passes(bed: TwoNodes, flavor: str, ranks: Path) -> None:
+    """Run the checks of ``ranks`` with pytest on the bed's 4 ranks: every one passes on
+    every rank, and no disk file is left on either node."""
     out = launch(bed, flavor, "--module", "pytest", "--", "-q", "--color=no", "-p", "no:cacheprovider",
-                 "--with-mpi", str(RANKS.relative_to(jobs.ROOT)))
+                 "--with-mpi", str(ranks.relative_to(jobs.ROOT)))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    tests = len(re.findall(r"^def test_", RANKS.read_text(), flags=re.MULTILINE))
+    tests = len(re.findall(r"^def test_", ranks.read_text(), flags=re.MULTILINE))
     passed = re.findall(r"(\d+) passed(?:, \d+ warnings?)? in", out.stdout)  # a rank may warn
     assert passed == [str(tests)] * 4, out.stdout[-3000:]
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}
