@@ -4,7 +4,8 @@ starts it, with the interpreter of the cache's process; never by fork).
 Its standard input is the control pipe: the first line is its settings (JSON); then
 nothing comes but the end of file, when the parent closes it or dies. It answers one
 line (JSON) on standard output once its sockets are bound: their endpoints, or the
-ConfigError that binding raised. Then, every ``period_s`` and whenever a replay
+ConfigError that binding raised. Then, every ``period_s`` while steps come (every
+``idle_s`` after a look at the ring that found nothing) and whenever a replay
 request or the end of file comes, it reads what the step thread wrote to the ring
 (``kvdist.events.ring``: a step's ``ops`` and ``toks`` as ``kvdist.events.recorder``
 writes them), publishes each step as the
@@ -116,14 +117,17 @@ def main() -> int:
     if server.replay is not None:
         poller.register(server.replay, zmq.POLLIN)
     period_ms = max(1, int(settings["period_s"] * 1000))
+    idle_ms = max(period_ms, int(settings["idle_s"] * 1000))
+    wait_ms = period_ms
     ending = False
     words[first + FIGURES.index("alive")] = 1
     cpu0 = time.process_time_ns()  # the figure: CPU spent publishing, not starting
     while not ending:
-        ready = dict(poller.poll(period_ms))
+        ready = dict(poller.poll(wait_ms))
         if ready.get(0):
             ending = os.read(0, 4096) == b""  # nothing else ever comes
         data = ring.read()
+        wait_ms = period_ms if data else idle_ms
         if settings["build"] != "none":
             for step in steps.feed(data):
                 server.publish(step)

@@ -33,15 +33,18 @@ from .child import FIGURES
 from .recorder import StepRecords
 from .ring import HEAD, TAIL, RingWriter, make_ring_fd
 
-__all__ = ["PERIOD_S", "RING_BYTES", "ProcessPublisher"]
+__all__ = ["IDLE_S", "PERIOD_S", "RING_BYTES", "ProcessPublisher"]
 
 log = logging.getLogger("kvdist.events")
 
 RING_BYTES = 16 << 20  # the steps the child has not read yet (about 1 KiB a step on bench events' trace)
-# The child looks at the ring this often (and at once for a replay request or the end).
-# On the dev box's two vCPUs any process's wake beside the step costs the step (bench
-# events): a process sleeping 1 / 5 / 50 ms at a time cost it +10.5% / +2.9% / +0.8%.
-PERIOD_S = 0.02
+# The child looks at the ring this often while steps come, and IDLE_S after a look that
+# found none (at once, whatever the period, for a replay request or the end). On the dev
+# box's two vCPUs any process's wake beside the step costs the step (bench events): a
+# process sleeping 1 / 5 / 50 ms at a time cost it +10.5% / +2.9% / +0.8%. A router
+# therefore hears a step at most PERIOD_S late (IDLE_S after a quiet spell).
+PERIOD_S = 0.05
+IDLE_S = 0.2
 _START_S = 120.0  # the child's start-up (an interpreter and its imports, on a loaded node)
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds kvdist
 
@@ -55,7 +58,8 @@ class ProcessPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
                  data_parallel_rank: int, capacity: tuple[int, int, int], block_size: int, salt: bytes,
                  build: Literal["events", "empty", "none"] = "events", linger_s: float = 1.0,
-                 period_s: float = PERIOD_S, ring_bytes: int = RING_BYTES, stall_s: float = 30.0):
+                 period_s: float = PERIOD_S, idle_s: float = IDLE_S, ring_bytes: int = RING_BYTES,
+                 stall_s: float = 30.0):
         self.data_parallel_rank = data_parallel_rank
         self._linger_s, self._stall_s = linger_s, stall_s
         self.submitted = 0  # batches written to the ring (numbered 0 .. submitted-1 by the child)
@@ -75,7 +79,7 @@ class ProcessPublisher:
                         "replay_endpoint": replay_endpoint, "topic": topic, "buffer_steps": buffer_steps,
                         "data_parallel_rank": data_parallel_rank, "capacity": list(capacity),
                         "block_size": block_size, "salt": salt.hex(), "build": build, "linger_s": linger_s,
-                        "period_s": period_s, "parent_pid": os.getpid(),
+                        "period_s": period_s, "idle_s": idle_s, "parent_pid": os.getpid(),
                         "die_with_parent": threading.current_thread() is threading.main_thread()}
             self._proc.stdin.write(json.dumps(settings).encode() + b"\n")
             self._proc.stdin.flush()
