@@ -362,7 +362,7 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise ConfigError("<file>", str(path), f"cannot read the config file: {e.strerror}") from None
         except UnicodeDecodeError:
