@@ -59,7 +59,7 @@ def test_an_ascii_locale_reads_the_config_and_escapes_what_it_cannot_print(tmp_p
 def test_an_ascii_locale_gets_the_report_with_its_units_escaped():
     """A report's µs on an ASCII stdout: escaped (\\xb5s), not a UnicodeEncodeError."""
     env = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C", "PYTHONIOENCODING": ""}
-    out = subprocess.run([sys.executable, "-m", "kvdist", "bench", "manager", "--requests", "32", "--repeat", "1",
-                          "--onboard-blocks", "64"], env=env, capture_output=True, timeout=300)
+    bench = ["bench", "manager", "--requests", "32", "--repeat", "1", "--onboard-blocks", "64"]
+    out = subprocess.run([sys.executable, "-m", "kvdist", *bench], env=env, capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr.decode("ascii", "replace")[-2000:]
     assert "\\xb5s/step" in out.stdout.decode("ascii"), out.stdout[-2000:]

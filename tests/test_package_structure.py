@@ -146,7 +146,8 @@ def unnamed_encodings(path: Path) -> list[int]:
 
 def test_every_text_read_and_write_names_its_encoding(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("p.read_text()\np.write_text(s, encoding='utf-8')\nrun(a, text=True)\n", encoding="utf-8")
+    probe.write_text("p.read_text()\np.write_text(s, encoding='utf-8')\nrun(a, text=True)\n",
+                     encoding="utf-8")
     assert unnamed_encodings(probe) == [1, 3]
     top = ROOT.parent
     found = {str(p.relative_to(top)): lines for d in ("kvdist", "tests", "scripts", "launch")
