@@ -83,7 +83,7 @@ $(VLLM_STAMP): tests/vllm/requirements.txt pyproject.toml
 	@( set -e; $(PY) -m venv $(VLLM_VENV); \
 	  $(VLLM_VENV)/bin/pip install -q --upgrade pip; \
 	  $(VLLM_VENV)/bin/pip install -q "torch==2.13.0"; \
-	  $(VLLM_VENV)/bin/pip install -q -r tests/vllm/requirements.txt "pytest>=8" xxhash tabulate; \
+	  $(VLLM_VENV)/bin/pip install -q -r tests/vllm/requirements.txt "pytest>=8" pytest-timeout xxhash tabulate; \
 	  $(VLLM_VENV)/bin/pip install -q --no-deps "vllm==$(VLLM_VERSION)"; \
 	  $(VLLM_VENV)/bin/pip install -q --no-deps -e . ) > $(VLLM_LOG) 2>&1 \
 	  || { echo "could not build $(VLLM_VENV): see $(VLLM_LOG)"; tail -3 $(VLLM_LOG); exit 1; }
