@@ -102,6 +102,12 @@ class DiskTierConfig(_Section):
     # Share of the host tier end_step keeps free by demoting its coldest blocks: an
     # offload then lands in a slot no disk write is still reading (no host wait).
     demote_ahead: float = Field(default=0.05, ge=0, lt=1)
+    # An offload that finds the host slots demote_ahead freed still being written drops
+    # the host tier's coldest block for room instead of waiting for the write: the disk
+    # tier takes what the disk writes in time (false: every offload waits for its slot).
+    # With no room kept ahead (demote_ahead a host tier's fraction below one block), the
+    # host tier demotes as it must and the offloads wait.
+    drop_behind: bool = True
     # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
     # a slow disk, e.g. to watch the onboard-or-recompute policy turn it down.
     max_read_bytes_per_s: Size = 0
