@@ -106,8 +106,9 @@ class DiskTierConfig(_Section):
     # the host tier's coldest block for room instead of waiting for the write: the disk
     # tier takes what the disk writes in time (false: every offload waits for its slot).
     # With no room kept ahead (demote_ahead a host tier's fraction below one block), the
-    # host tier demotes as it must and the offloads wait.
-    drop_behind: bool = True
+    # host tier demotes as it must and the offloads wait. Off by default until measured on
+    # a GPU (run --compare's all-tiers-dropping beside all-tiers).
+    drop_behind: bool = False
     # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
     # a slow disk, e.g. to watch the onboard-or-recompute policy turn it down.
     max_read_bytes_per_s: Size = 0

@@ -95,7 +95,7 @@ def test_a_long_churn_that_drops_behind_the_disk_keeps_every_byte(cfg_factory):
     from .test_reference_model import long_churn
 
     cfg = cfg_factory(gpu=90, host=96, disk=160, simulate_async=True)
-    cfg["cache"]["disk"]["demote_ahead"] = 0.1
+    cfg["cache"]["disk"].update(demote_ahead=0.1, drop_behind=True)
     seams = Seams()
     cache = kvdist.testing.create(cfg, seams)
     ex = seams.executor

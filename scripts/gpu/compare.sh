@@ -18,7 +18,8 @@
 #      disk), all tiers vs GPU only: the onboard-or-recompute policy turns the slow disk down.
 # Knobs: STEPS="1 2 3 4 5", RATE (skip the measurement of step 3), CONFIGS (step 4's, e.g.
 # all-tiers,gpu-only: about 200 s instead of 305), CAPACITY_CONFIGS (step 3's; must hold
-# gpu-only when RATE is not given), THROTTLE (300MB),
+# gpu-only when RATE is not given; all-tiers,all-tiers-dropping,gpu-only measures
+# cache.disk.drop_behind), THROTTLE (300MB),
 # THROTTLE_REQUESTS (400). Logs and results files under $OUT.
 set -u
 if [ -d .whl ] && [ -z "${MPIEXEC:-}" ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
