@@ -14,8 +14,7 @@ msgspec = pytest.importorskip("msgspec")
 
 from kvdist.events import prompt_hashes  # noqa: E402
 from kvdist.events.batcher import EventBuilder  # noqa: E402
-from kvdist.events.recorder import (CLEARED, DROPPED, LANDED, MOVED, REGISTERED, BlockRecorder,  # noqa: E402
-                                    records)
+from kvdist.events.recorder import CLEARED, DROPPED, LANDED, MOVED, REGISTERED, BlockRecorder, records  # noqa: E402
 from kvdist.events.wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder  # noqa: E402
 from kvdist.layout import KVLayout  # noqa: E402
 from kvdist.manager import CacheManager  # noqa: E402

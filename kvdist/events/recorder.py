@@ -100,7 +100,7 @@ class BlockRecorder:
         else:
             head = (REGISTERED, n, 0, 0, 0)
         if n < _MAX_PACKER:
-            self._ops.frombytes(_packer(n + 5)(*head, *slots[start:end]))
+            self._ops.frombytes((_PACKERS.get(n + 5) or _packer(n + 5))(*head, *slots[start:end]))
         else:
             self._ops.frombytes(_packer(5)(*head))
             self._ops.frombytes(_words(slots[start:end]))
@@ -110,7 +110,8 @@ class BlockRecorder:
         ops = self._ops
         if len(srcs) == 1 and type(srcs[0]) is list and len(srcs[0]) < _MAX_PACKER:  # the common case
             s, d = srcs[0], dsts[0]
-            ops.frombytes(_packer(2 + 2 * len(s))(MOVED, len(s), *s, *d))
+            k = 2 + 2 * len(s)
+            ops.frombytes((_PACKERS.get(k) or _packer(k))(MOVED, len(s), *s, *d))
             return
         ops.frombytes(_PACK2(MOVED, sum(map(len, srcs))))
         for part in srcs:
