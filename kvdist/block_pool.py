@@ -90,11 +90,10 @@ class BlockObserver(Protocol):
         """Blocks ``start .. end-1`` of a sequence (GPU ``slots``, int32 ``tokens``) were
         registered: those now CACHED entered the cache (the others were already cached)."""
 
-    def moved(self, srcs: list, dsts: list) -> None:
+    def moved(self, srcs: list[int], dsts: list[int]) -> None:
         """The cached block of each of ``srcs`` now lives in the ``dsts`` slot of the same
         index (another tier), moved in that order: the pool's run of moves, handed over
-        whole at ``submit_moves`` as it holds them, parts of lists of ints or int64 arrays
-        (``srcs`` and ``dsts`` part by part alike; the observer's from then on)."""
+        whole at ``submit_moves`` (the lists are the observer's from then on)."""
 
     def dropped(self, slot: int, after: int) -> None:
         """The cached block of ``slot`` left the cache, after the first ``after`` moves of
@@ -332,7 +331,7 @@ class BlockPool:
                     self._queue_copies(part[0][0], *joined)
                 start = i
         if self.block_observer is not None:  # the run, handed over whole
-            self.block_observer.moved([m[1] for m in moves], [m[2] for m in moves])
+            self.block_observer.moved(_as_list([m[1] for m in moves]), _as_list([m[2] for m in moves]))
         self._moves = []
         self._pending = 0
         self.transfer_seconds += time.perf_counter() - t0

@@ -5,16 +5,13 @@ every step, through the eviction cascade's corner cases."""
 
 from __future__ import annotations
 
-from array import array
-
-import numpy as np
 import pytest
 
 msgspec = pytest.importorskip("msgspec")
 
 from kvdist.events import prompt_hashes  # noqa: E402
 from kvdist.events.batcher import EventBuilder  # noqa: E402
-from kvdist.events.recorder import CLEARED, DROPPED, LANDED, MOVED, REGISTERED, BlockRecorder, records  # noqa: E402
+from kvdist.events.recorder import BlockRecorder  # noqa: E402
 from kvdist.events.wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder  # noqa: E402
 from kvdist.layout import KVLayout  # noqa: E402
 from kvdist.manager import CacheManager  # noqa: E402
@@ -149,29 +146,3 @@ def test_token_ids_of_every_msgpack_width_survive_moves_and_chained_runs():
     assert any(len(e.block_hashes) > 1 for e in stored), "a chained run of blocks in one event"
     for e in stored:
         assert e.token_ids == [t for h in e.block_hashes for t in ids[h]]
-
-
-def test_the_recorder_reads_back_exactly_what_it_was_told():
-    """The records come back as the observer's calls gave them: a run of moves handed
-    over as the pool holds it (a list of ints, an int64 array, a strided int64 view),
-    and hashes whose top bit is set (stored as signed words) as the unsigned ints they are."""
-    m = CacheManager(KVLayout(1, 1, 1, "float16", TPB), (8, 8, 8), NullExecutor())
-    r = BlockRecorder(m.meta, TPB)
-    top = (1 << 64) - 5
-    m.meta.hash_hi[3], m.meta.hash_lo[3], m.meta.hash_lo[9] = top, top - 1, 1 << 63
-    tokens = array("i", range(-5, 3 * TPB - 5))
-    r.registered([3, 4, 5], tokens, 1, 3)
-    r.registered([6], tokens, 0, 1)
-    r.moved([[4], np.array([5, 6], dtype=np.int64), np.arange(20, dtype=np.int64)[::10]],
-            [[12], np.array([13, 14], dtype=np.int64), np.array([15, 16], dtype=np.int64)])
-    r.dropped(12, 1)
-    r.landed(9)
-    r.cleared()
-    ops, toks = r.take()
-    assert (ops[0], ops[1]) == (len(ops), len(toks)) == (len(ops), 3 * TPB)
-    assert list(records(ops, toks, TPB)) == [
-        (REGISTERED, [4, 5], tokens[TPB:], top << 64 | (top - 1)),
-        (REGISTERED, [6], tokens[:TPB], None),
-        (MOVED, [4, 5, 6, 0, 10], [12, 13, 14, 15, 16]),
-        (DROPPED, 12, 1), (LANDED, 9, 1 << 63), (CLEARED,)]
-    assert r.take()[0].tolist() == [3, 0, 0], "nothing recorded since"

@@ -34,7 +34,7 @@ from array import array
 from kvdist.events.process import ProcessPublisher
 pub = ProcessPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 100, 0, (8, 8, 0), 4, b"s" * 16,
                        build="empty")
-pub.submit((array("q", [3, 0, 0]), array("i")))
+pub.submit((array("Q", [3, 0, 0]), array("i")))
 print(pub.pid, flush=True)
 time.sleep(600)
 """
@@ -136,7 +136,7 @@ def test_close_leaves_no_process_descriptor_socket_file_or_shm_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pub", "replay"]
     assert any("memfd:kvdist-events" in f for f in _fds())
     for _ in range(10):
-        pub.submit((array("q", [3, 0, 0]), array("i")))
+        pub.submit((array("Q", [3, 0, 0]), array("i")))
     pub.close()
     assert pub.figures()["published"] == 10 and pub.figures()["unread"] == 0
     assert _gone(child) and child not in _children()

@@ -28,7 +28,7 @@ def test_submitting_wakes_nothing_and_close_publishes_every_batch_in_order():
     pub = ThreadPublisher("tcp://127.0.0.1:0", None, "", 1000, 0, build, linger_s=10.0, period_s=60.0)
     try:
         for i in range(100):
-            pub.submit((array("q", [4, 0, 0, i]), array("i")))
+            pub.submit((array("Q", [4, 0, 0, i]), array("i")))
         time.sleep(0.3)  # a thread woken per batch would have built them all by now
         assert built == [] and pub.stats()["published"] == 0 and pub.submitted == 100
     finally:

@@ -65,7 +65,7 @@ class _Steps:
             end = at + 8 * n_ops + 4 * n_toks
             if end > len(buf):
                 break
-            ops, toks = array("q"), array("i")
+            ops, toks = array("Q"), array("i")
             ops.frombytes(buf[at : at + 8 * n_ops])
             toks.frombytes(buf[at + 8 * n_ops : end])
             out.append((ops, toks))

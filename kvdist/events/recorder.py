@@ -1,13 +1,9 @@
 """The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` that writes
 down, in order, what changed the blocks of the tiers during a step, as two flat typed
-arrays — no Python object per block or per change is kept: ``ops`` (signed 64-bit
-words: a hash's halves are stored as their two's complement) and ``toks`` (the
-registered blocks' token ids, int32). Each observer call packs its words with one
-precompiled :class:`struct.Struct` (a Python int into an ``array`` one at a time costs
-twice as many instructions) and appends them in one C call; a run of moves that the
-pool holds as int64 arrays is appended as its bytes, with no int object made.
-``take`` hands the step's pair over, and the publisher (``kvdist.events.process``:
-another process) copies their bytes as they are.
+arrays — no Python object per block or per change is kept: ``ops`` (unsigned 64-bit
+words) and ``toks`` (the registered blocks' token ids, int32). Each observer call
+appends to them in one or two C calls; ``take`` hands the step's pair over, and the
+publisher (``kvdist.events.process``: another process) copies their bytes as they are.
 Working out which block each change concerns, and building and encoding the events,
 is the builder's (``kvdist.events.batcher``), off the step's path.
 
@@ -36,12 +32,9 @@ entry an opcode and its words:
 
 from __future__ import annotations
 
-import struct
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
-
-import numpy as np
+from collections.abc import Iterator
 
 from ..blocks import BlockMeta
 
@@ -51,32 +44,10 @@ __all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED"
 REGISTERED, MOVED, DROPPED, LANDED, CLEARED = range(5)
 
 Record = tuple
-StepRecords = tuple  # (ops: array("q"), toks: array("i")) of one step
+StepRecords = tuple  # (ops: array("Q"), toks: array("i")) of one step
 HEADER_WORDS = 3
-_BLANK = array("q", (HEADER_WORDS, 0, 0))  # a step's ops before its first record
+_BLANK = array("Q", (HEADER_WORDS, 0, 0))  # a step's ops before its first record
 _EMPTY: StepRecords = (_BLANK, array("i"))
-_MASK64 = (1 << 64) - 1
-_PACKERS: dict[int, Callable[..., bytes]] = {}
-_MAX_PACKER = 4096  # longer runs go through an array
-
-
-def _packer(n: int) -> Callable[..., bytes]:
-    """``pack(*words)`` of ``n`` signed 64-bit words (precompiled, one per length)."""
-    pack = _PACKERS.get(n)
-    if pack is None:
-        pack = _PACKERS[n] = struct.Struct(f"={n}q").pack
-    return pack
-
-
-_PACK2, _PACK3 = _packer(2), _packer(3)
-
-
-def _words(part: list[int] | np.ndarray) -> bytes | memoryview:
-    """The bytes of ``part`` (a list of ints, or an int64 array) as 64-bit words."""
-    if type(part) is list:
-        n = len(part)
-        return _packer(n)(*part) if n <= _MAX_PACKER else array("q", part).tobytes()
-    return np.ascontiguousarray(part, dtype=np.int64).data.cast("B")
 
 
 class BlockRecorder:
@@ -85,45 +56,33 @@ class BlockRecorder:
     and starts the next."""
 
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
-        # A block's 128-bit hash, its halves read as signed words (the low half: its wire hash).
-        self._hi, self._lo = meta.hi_mv.cast("B").cast("q"), meta.lo_mv.cast("B").cast("q")
+        self._hi, self._lo = meta.hi_mv, meta.lo_mv  # a block's 128-bit hash; the low half: its wire hash
         self._tpb = tokens_per_block
         self._ops = _BLANK[:]
         self._toks = array("i")
 
     # -- the BlockObserver protocol --------------------------------------------------------------
     def registered(self, slots: list[int], tokens: array, start: int, end: int) -> None:
-        n = end - start
+        ops = self._ops
         if start:
             p = slots[start - 1]
-            head = (REGISTERED, n, 1, self._hi[p], self._lo[p])
+            ops.extend((REGISTERED, end - start, 1, self._hi[p], self._lo[p]))
         else:
-            head = (REGISTERED, n, 0, 0, 0)
-        if n < _MAX_PACKER:
-            self._ops.frombytes((_PACKERS.get(n + 5) or _packer(n + 5))(*head, *slots[start:end]))
-        else:
-            self._ops.frombytes(_packer(5)(*head))
-            self._ops.frombytes(_words(slots[start:end]))
+            ops.extend((REGISTERED, end - start, 0, 0, 0))
+        ops.extend(slots[start:end])
         self._toks.extend(tokens[start * self._tpb : end * self._tpb])
 
-    def moved(self, srcs: Sequence[list[int] | np.ndarray], dsts: Sequence[list[int] | np.ndarray]) -> None:
+    def moved(self, srcs: list[int], dsts: list[int]) -> None:
         ops = self._ops
-        if len(srcs) == 1 and type(srcs[0]) is list and len(srcs[0]) < _MAX_PACKER:  # the common case
-            s, d = srcs[0], dsts[0]
-            k = 2 + 2 * len(s)
-            ops.frombytes((_PACKERS.get(k) or _packer(k))(MOVED, len(s), *s, *d))
-            return
-        ops.frombytes(_PACK2(MOVED, sum(map(len, srcs))))
-        for part in srcs:
-            ops.frombytes(_words(part))
-        for part in dsts:
-            ops.frombytes(_words(part))
+        ops.extend((MOVED, len(srcs)))
+        ops.extend(srcs)
+        ops.extend(dsts)
 
     def dropped(self, slot: int, after: int) -> None:
-        self._ops.frombytes(_PACK3(DROPPED, slot, after))
+        self._ops.extend((DROPPED, slot, after))
 
     def landed(self, slot: int) -> None:
-        self._ops.frombytes(_PACK3(LANDED, slot, self._lo[slot]))
+        self._ops.extend((LANDED, slot, self._lo[slot]))
 
     # -- steps -------------------------------------------------------------------------------------
     def cleared(self) -> None:
@@ -155,7 +114,7 @@ def records(ops: array | memoryview, toks: array | memoryview, tpb: int) -> Iter
         op = ops[i]
         if op == REGISTERED:
             n, has_parent = ops[i + 1], ops[i + 2]
-            parent = (ops[i + 3] & _MASK64) << 64 | ops[i + 4] & _MASK64 if has_parent else None
+            parent = ops[i + 3] << 64 | ops[i + 4] if has_parent else None
             i += 5
             yield REGISTERED, list(ops[i : i + n]), array("i", toks[t : t + n * tpb]), parent
             i += n
@@ -165,11 +124,8 @@ def records(ops: array | memoryview, toks: array | memoryview, tpb: int) -> Iter
             i += 2
             yield MOVED, list(ops[i : i + n]), list(ops[i + n : i + 2 * n])
             i += 2 * n
-        elif op == DROPPED:
+        elif op == DROPPED or op == LANDED:
             yield op, ops[i + 1], ops[i + 2]
-            i += 3
-        elif op == LANDED:
-            yield op, ops[i + 1], ops[i + 2] & _MASK64
             i += 3
         else:
             assert op == CLEARED, f"unknown record {op} at word {i}"
