@@ -219,19 +219,28 @@ class Directory:
 
     def match(self, hashes: list[int]) -> list[int]:
         """Entries of the longest run of leading ``hashes`` some peer holds."""
-        table, node, n = self.table, self.node, self.host_slots
         out = []
         for h in hashes:
-            hi, lo = h >> 64, h & MASK64
-            g = node.find(hi, lo) if node is not None else EMPTY
+            g = self.find(h)
             if g < 0:
-                m = table.find(hi, lo) if table.live else EMPTY
-                if m < 0:
-                    break
-                i, slot = divmod(m, n)
-                g = self.mirrored[i] * n + slot
+                break
             out.append(g)
         return out
+
+    def find(self, h: int) -> int:
+        """The entry of a peer holding the block of hash ``h`` (a node peer's first),
+        EMPTY if none is listed."""
+        hi, lo = h >> 64, h & MASK64
+        node = self.node
+        g = node.find(hi, lo) if node is not None else EMPTY
+        if g >= 0:
+            return g
+        table = self.table
+        m = table.find(hi, lo) if table.live else EMPTY
+        if m < 0:
+            return EMPTY
+        i, slot = divmod(m, self.host_slots)
+        return self.mirrored[i] * self.host_slots + slot
 
     def holder(self, g: int) -> tuple[int, int]:
         """(peer replica, its host slot) of entry ``g``."""

@@ -17,12 +17,13 @@ outcome bits (R1). Nothing after start-up is
 collective across replicas (R3); a fetch waits at most ``fetch_timeout_ms``.
 
 ``add_sequence`` pulls a prompt's remote blocks itself (waiting up to the timeout)
-unless a ``prefetch`` already started them. A prefetch leaves alone a prompt whose
-remote blocks all come from ``near`` peers (replicas whose every rank shares this
-node): add_sequence's own fetch lands those straight in the GPU slots by one DMA from
-the peer's mapping, as fast as a host onboard, so nothing is gained by holding the
-request back a step for them; ``rules`` (a frozen ``RemoteRules``, read
-at construction) can drop R1, R2 or R4 for the tests that show what each one prevents.
+unless a ``prefetch`` already started them. A prefetch leaves alone a prompt's blocks
+that ``near`` peers hold (replicas whose every rank shares this node) and starts only
+the other peers' (a request may have both): add_sequence's own fetch lands the near
+ones straight in the GPU slots by one DMA from the peer's mapping, as fast as a host
+onboard, so nothing is gained by holding the request back a step for them. ``rules``
+(a frozen ``RemoteRules``, read at construction) can drop R1, R2 or R4 for the tests
+that show what each one prevents.
 
 This module drives the step boundaries and the calls of ``KVCache``; each concept is a
 module of its own below it: fetch planning and the blocks on their way
@@ -206,8 +207,8 @@ class RemoteTier:
     # -- fetching ---------------------------------------------------------------------------------------
     def prefetch(self, seq_id: Hashable, tokens: Iterable[int], now: bool) -> int:
         """Start the remote blocks of a prompt (non-blocking); how many are on their way
-        (none when every one comes from a ``near`` peer: add_sequence fetches them by
-        DMA, as fast as it onboards host hits). Outside a step (``now`` False) they
+        (none of those a ``near`` peer holds: add_sequence fetches them by DMA, as fast
+        as it onboards host hits). Outside a step (``now`` False) they
         start right after the next ``begin_step`` (their landing slots may evict blocks,
         whose copies must follow the last step's kernels, rule S4); the count is then
         the blocks the directory lists."""

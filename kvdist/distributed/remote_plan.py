@@ -69,16 +69,16 @@ class Landings:
         self.on_way: dict[int, Batch] = {}  # hash -> the batch fetching it (until decided)
 
     def plan(self, hashes: list[int], seq_id: Hashable | None) -> list[Batch]:
-        """Reserve landing slots for the longest run of leading ``hashes`` that peers
-        hold (stopping at a block already on its way) and start the batches, one per
-        holder and landing tier. ``hashes`` start after the local cached prefix. A
-        prefetch (``seq_id``) of blocks all held by ``near`` peers starts nothing."""
-        held = self.holders(hashes)
+        """Reserve landing slots for the blocks of ``hashes`` a fetch starts (``wanted``)
+        and start the batches, one per holder and landing tier. ``hashes`` start after
+        the local cached prefix; ``seq_id``: a prefetch's request (None: add_sequence's
+        own fetch)."""
         prefetch = seq_id is not None
-        if not held or (prefetch and self.near_only(held)):
+        blocks = self.wanted(hashes, prefetch)
+        if not blocks:
             return []
         per_batch: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (peer, tier) -> blocks
-        for h, (peer, slot) in zip(hashes, held):
+        for h, peer, slot in blocks:
             tier = self.transports[peer].landing_tier(prefetch)
             if prefetch and self.used[tier] >= self.cap[tier]:
                 break  # prefetches leave half of a tier to caching
@@ -105,20 +105,29 @@ class Landings:
         self.counters.blocks_requested += len(b)
         return b
 
-    def holders(self, hashes: list[int]) -> list[tuple[int, int]]:
-        """(peer, its slot) of the longest run of leading ``hashes`` peers hold, up to the
-        first block already on its way here."""
+    def wanted(self, hashes: list[int], prefetch: bool) -> list[tuple[int, int, int]]:
+        """(hash, peer, the peer's slot) of the blocks a fetch of ``hashes`` starts. It
+        walks them in prompt order, up to the first block no peer lists or one already on
+        its way here, and passes over blocks cached here (a prefetch landed them) and,
+        for a prefetch, those a ``near`` peer holds: add_sequence's own fetch lands them
+        in the prompt's GPU slots at admission, as fast as a host onboard, while the
+        prefetch starts only the other peers' blocks (a request with both kinds). Every
+        TP rank walks alike: equal directories (R4), caches and ``near`` (R1)."""
         out = []
-        for h, g in zip(hashes, self.directory.match(hashes)):
-            if h in self.on_way:
+        directory, near, on_way, slots = self.directory, self.near, self.on_way, self.slots
+        for h in hashes:
+            if h in on_way:
                 break
-            out.append(self.directory.holder(g))
+            if slots.tier_of(h) is not None:
+                continue
+            g = directory.find(h)
+            if g < 0:
+                break
+            peer, slot = directory.holder(g)
+            if prefetch and peer in near:
+                continue
+            out.append((h, peer, slot))
         return out
-
-    def near_only(self, held: list[tuple[int, int]]) -> bool:
-        """Whether every block of ``held`` comes from a ``near`` peer."""
-        near = self.near
-        return bool(near) and all(peer in near for peer, _ in held)
 
     def untrack(self, b: Batch, i: int, h: int) -> None:
         """Block ``i`` (hash ``h``) of ``b`` is decided: no longer on its way."""

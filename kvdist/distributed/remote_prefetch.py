@@ -65,10 +65,9 @@ class Prefetches:
         return batches
 
     def _listed(self, hashes: list[int]) -> int:
-        """Blocks after the local prefix that the directory lists, up to one on its way
-        (none when all come from ``near`` peers: add_sequence fetches those)."""
-        held = self.landings.holders(hashes[len(self.slots.cached_prefix(hashes)):])
-        return 0 if self.landings.near_only(held) else len(held)
+        """The blocks after the local prefix a prefetch would start now (none of a
+        ``near`` peer's: add_sequence fetches those)."""
+        return len(self.landings.wanted(hashes[len(self.slots.cached_prefix(hashes)):], True))
 
     def ready(self, seq_id: Hashable) -> bool:
         """Whether nothing prefetched for ``seq_id`` is still undecided (True if never
