@@ -43,6 +43,15 @@ EMPTY, SPILLED = -1, -2
 WAYS = 16  # entries per bucket: a lookup reads one bucket (a spill list after it, rarely)
 
 
+def table_buckets(capacity: int) -> int:
+    """Buckets of a ``HolderTable`` for ``capacity`` entries: a power of two, at most
+    half full on average."""
+    buckets = 1
+    while buckets * WAYS < 2 * capacity:
+        buckets *= 2
+    return buckets
+
+
 class HolderTable:
     """Buckets of ``WAYS`` entries (int32 mirror entries, EMPTY where none), a bucket
     per ``lo[g] & mask``, at most half full on average; the rare entry whose bucket is
@@ -54,9 +63,7 @@ class HolderTable:
     fetcher's own path)."""
 
     def __init__(self, capacity: int, hi: np.ndarray, lo: np.ndarray):
-        buckets = 1
-        while buckets * WAYS < 2 * capacity:
-            buckets *= 2
+        buckets = table_buckets(capacity)
         self.table = np.full((buckets, WAYS), EMPTY, dtype=np.int32)
         self.flat = self.table.reshape(-1)
         self._t = memoryview(self.flat)
@@ -180,6 +187,14 @@ class Directory:
     def nbytes(self) -> int:
         t = self.table
         return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + t.table.nbytes + t.at.nbytes
+
+    @staticmethod
+    def sized(mirrored: int, host_slots: int) -> int:
+        """``nbytes`` of a directory mirroring ``mirrored`` peers of ``host_slots`` slots,
+        without building it (for figures at a scale no test runs)."""
+        n = mirrored * host_slots
+        entry = 2 * np.dtype(np.uint64).itemsize + np.dtype(bool).itemsize + np.dtype(np.int32).itemsize
+        return n * entry + table_buckets(max(n, 1)) * WAYS * np.dtype(np.int32).itemsize
 
     def __len__(self) -> int:
         """Blocks the peers hold (one per holder), as far as this rank's lookups see
