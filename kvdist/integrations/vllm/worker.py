@@ -82,7 +82,7 @@ class WorkerSide:
         device = next(iter(kv_caches.values())).device
         cache = create(self.cfg, comm=comm, device=device)
         try:
-            if self.agree and self.tp > 1 and cache.world_size == 1:
+            if self.agree and self.tp > 1 and cache.tp_size == 1:
                 raise ConfigError("parallel_config.tensor_parallel_size", self.tp,
                                   "under external_launcher every TP worker must be a rank of one kvdist job, "
                                   "but this worker's is alone: start the workers with mpiexec (not torchrun "
@@ -91,8 +91,8 @@ class WorkerSide:
         except BaseException:
             cache.close(wait_for_peers=False)
             raise
-        if self.agree and cache.world_size > 1:
-            self._agreement = Agreement(cache.world_size)
+        if self.agree and cache.tp_size > 1:
+            self._agreement = Agreement(cache.tp_size)
         self._cache = cache
         self._layer = {name: i for i, name in enumerate(kv_caches)}
         self._clock = ForwardClock(device)
@@ -129,6 +129,7 @@ class WorkerSide:
         """After the step's forward: what finished, and the forward's figure."""
         for tokens, seconds in self._clock.end_step(meta.computed_tokens):
             self.cache.observe_prefill(tokens, seconds)
+        self.cache.end_step()  # the remote tier's step agreement (TP group), when it is on
         done = self.cache.finished()
         loaded = self._async & done.loaded
         self._async -= loaded
