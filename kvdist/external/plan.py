@@ -59,6 +59,7 @@ class LoadPlan:
     blocks: tuple[int, ...]
     failed: tuple[int, ...]
     tokens: int  # tokens the loaded blocks hold
+    remote: int = 0  # of ``blocks``, the last ones fetched from other replicas (asynchronous)
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,29 +139,36 @@ class ExternalPlanner:
     def _prompt(self, prompt: Prompt | Sequence[int]) -> Prompt:
         return prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
 
-    def _held(self, hashes: list[int], first: int) -> int:
-        """Blocks of the longest run of ``hashes[first:]`` kvdist holds here or another
-        replica does (after this replica's run), cut where loading stops paying (the
-        recompute policy; a remote block is priced as a host onboard, its cheapest)."""
+    def _held(self, hashes: list[int], first: int) -> tuple[int, int]:
+        """(blocks here, blocks another replica holds after them) of the longest run of
+        ``hashes[first:]``, cut where loading stops paying (the recompute policy; a
+        remote block is priced as a host onboard, its cheapest)."""
         slots = self.index.match(hashes[first:])
         tiers = [self.space.tier_of(s) for s in slots]
         if self.peers is not None:
             tiers += [HOST] * len(self.peers.holders(hashes[first + len(slots):]))
-        return self.policy.cut(tiers) if tiers else 0
+        k = self.policy.cut(tiers) if tiers else 0
+        return min(k, len(slots)), max(k - len(slots), 0)
 
     # -- loads ------------------------------------------------------------------------------------
     def lookup(self, prompt: Prompt | Sequence[int], gpu_hit_tokens: int = 0) -> int:
         """Tokens after the engine's own GPU hit (``gpu_hit_tokens``, whole blocks) that
-        kvdist holds in its host and disk tiers and that are worth loading rather than
-        computing; never the whole prompt (one token is always left to compute).
-        Changes nothing."""
+        kvdist holds in its host and disk tiers (and, with the remote tier, other
+        replicas do) and that are worth loading rather than computing; never the whole
+        prompt (one token is always left to compute). Changes nothing."""
+        return sum(self.lookup_split(prompt, gpu_hit_tokens))
+
+    def lookup_split(self, prompt: Prompt | Sequence[int], gpu_hit_tokens: int = 0) -> tuple[int, int]:
+        """``lookup``'s tokens as (this replica's tiers', other replicas'): the engine
+        loads the latter asynchronously (they complete at a later step boundary)."""
         assert gpu_hit_tokens % self.tpb == 0, f"a GPU hit of {gpu_hit_tokens} tokens is not whole blocks"
         p = self._prompt(prompt)
         usable = min(max(p.num_tokens - 1, 0) // self.tpb, len(p.hashes))
         first = gpu_hit_tokens // self.tpb
         if first >= usable:
-            return 0
-        return self._held(list(p.hashes[:usable]), first) * self.tpb
+            return 0, 0
+        here, remote = self._held(list(p.hashes[:usable]), first)
+        return here * self.tpb, remote * self.tpb
 
     def plan_load(self, request_id: Hashable, prompt: Prompt | Sequence[int], engine_blocks: Sequence[int],
                   gpu_hit_tokens: int = 0) -> LoadPlan:
@@ -183,7 +190,7 @@ class ExternalPlanner:
             self._rows.append((_ROUTE_ID[route], s - self.space.base[tier], e, job))
             self.counters.hit_tokens[tier] += self.tpb
         self._touch(hashes[:len(slots)])
-        n = len(slots)
+        n = local = len(slots)
         if self.peers is not None and n < len(want):
             held = self.peers.holders(hashes[n:])
             if held:
@@ -194,7 +201,7 @@ class ExternalPlanner:
                 n += len(held)
         loaded, failed = tuple(want[:n]), tuple(want[n:])
         self._jobs.append(Job(request_id, LOAD, loaded, failed))
-        return LoadPlan(request_id, loaded, failed, n * self.tpb)
+        return LoadPlan(request_id, loaded, failed, n * self.tpb, n - local)
 
     # -- saves --------------------------------------------------------------------------------------
     def saveable(self, prompt: Prompt | Sequence[int], first_block: int = 0) -> int:

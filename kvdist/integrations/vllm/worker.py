@@ -51,6 +51,7 @@ import torch
 from ...config import CacheConfig
 from ...errors import ConfigError
 from ...external import ExternalCache, create
+from . import local_worker
 from .agree import Agreement, Report
 from .forward_clock import ForwardClock
 from .plan import KVDistConnectorMetadata, KVDistHandshake, KVDistWorkerMetadata
@@ -94,6 +95,7 @@ class WorkerSide:
         if self.agree and cache.tp_size > 1:
             self._agreement = Agreement(cache.tp_size)
         self._cache = cache
+        local_worker.offer(cache.peers)
         self._layer = {name: i for i, name in enumerate(kv_caches)}
         self._clock = ForwardClock(device)
 
