@@ -14,6 +14,10 @@ Per engine step (docs/design.md, "An engine-owned GPU tier"):
 * ``wait_layer(layer)``, before attention reads ``layer``: S5 for that layer's group.
 * ``save(transfers)``, once the forward pass is queued: copies out of the blocks it
   computed, after the compute stream's work so far (S4); nothing waits for them.
+* ``end_step()``, at the end of every step on every rank of the replica, with the
+  remote tier on (``peers``, ``kvdist.external.peers``): the TP group agrees on the
+  directory and on the fetches every rank resolved; the good blocks of a decided fetch
+  are copied into the engine's blocks, the others become ``failed_blocks`` (R1, R2).
 * ``finished()``: the requests whose loads or saves have completed since the last call;
   ``saving()`` those with saves still in flight; ``failed_blocks()``: engine block ids
   whose loads failed (the engine recomputes them); ``fence(requests)`` when the engine
@@ -36,9 +40,8 @@ import torch
 
 from .. import faults
 from ..backend import simulate_async
-from ..blocks import SlotSpace
+from ..blocks import HOST, SlotSpace
 from ..config import CacheConfig
-from ..blocks import HOST
 from ..distributed.consensus import Committed, InitStatus
 from ..distributed.replicas import ReplicaComms
 from ..errors import CacheClosedError, KVDistError

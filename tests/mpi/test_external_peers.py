@@ -71,7 +71,7 @@ class Rank:
             self.step()
             if self.world.allreduce(int(bool(done())), op=_min()) == 1:
                 return n
-        raise AssertionError("not done after %d steps" % STEPS)
+        raise AssertionError(f"not done after {STEPS} steps")
 
     def close(self) -> None:
         self.worker.close()

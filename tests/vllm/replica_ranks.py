@@ -15,8 +15,19 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from .harness import BLOCK, LAYERS, NUM_BLOCKS, PROMPT, TAIL, Engine, expected, model_config, request, save_a
-from .harness import vllm_config
+from .harness import (
+    BLOCK,
+    LAYERS,
+    NUM_BLOCKS,
+    PROMPT,
+    TAIL,
+    Engine,
+    expected,
+    model_config,
+    request,
+    save_a,
+    vllm_config,
+)
 
 STEPS = 500
 
@@ -39,7 +50,7 @@ def main(out: Path, transport: str) -> None:
         got["remote_tier"] = cache.peers is not None and e.connector.planner.peers is cache.peers
         if rank == 0:
             got["a_blocks"] = save_a(e)
-        for n in range(STEPS):  # replica 1 hears of a's blocks (every rank steps: rank 0 serves)
+        for _ in range(STEPS):  # replica 1 hears of a's blocks (every rank steps: rank 0 serves)
             listed = len(cache.peers.directory)
             if world.allreduce(int(rank == 0 or listed >= 3), op=MPI.MIN):
                 break
@@ -50,11 +61,12 @@ def main(out: Path, transport: str) -> None:
             s1 = e.step()
             got["s1_scheduled"] = dict(s1.out.num_scheduled_tokens)
             got["b_blocks"] = e.blocks("b")
-            got["fetches"] = [[list(f.peers), list(f.blocks)] for f in s1.out.kv_connector_metadata.transfers.fetches]
+            fetches = s1.out.kv_connector_metadata.transfers.fetches
+            got["fetches"] = [[list(f.peers), list(f.blocks)] for f in fetches]
             got["s1_async"] = sorted(s1.out.kv_connector_metadata.async_loads)
             got["s1_recving"] = sorted(s1.kv.finished_recving or ())
             got["planner_stats"] = e.connector.planner.stats()["remote_hit_tokens"]
-        for n in range(STEPS):
+        for _ in range(STEPS):
             done = rank == 0 or "b_read" in got
             if world.allreduce(int(done), op=MPI.MIN):
                 break
@@ -63,7 +75,8 @@ def main(out: Path, transport: str) -> None:
                 got["recving"] = sorted(s.kv.finished_recving)
             if rank == 1 and "b" in s.out.num_scheduled_tokens:
                 got["b_read"] = dict(s.out.num_scheduled_tokens)
-                got["b_blocks_then"] = [list(r.block_ids[0]) for r in s.out.scheduled_new_reqs if r.req_id == "b"]
+                new = s.out.scheduled_new_reqs
+                got["b_blocks_then"] = [list(r.block_ids[0]) for r in new if r.req_id == "b"]
                 got["b_bytes_ok"] = [s.heads("read", "b", layer)[:3].equal(
                     expected(layer, b.all_token_ids, 0, 3)) for layer in range(len(LAYERS))]
                 got["load_errors"] = sorted(s.kv.invalid_block_ids or ())

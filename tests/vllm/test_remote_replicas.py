@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_ranks(tmp_path: Path, transport: str) -> list[dict]:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = {**os.environ, "MPIEXEC_TIMEOUT": "300"}
-    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "tests.vllm.replica_ranks", str(tmp_path), transport]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, encoding="utf-8", timeout=360)
+    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "tests.vllm.replica_ranks", str(tmp_path),
+           transport]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, encoding="utf-8",
+                          timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
 
