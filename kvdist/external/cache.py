@@ -234,7 +234,7 @@ class ExternalCache:
             if f.job in dropped:
                 continue
             rid = transfers.jobs[f.job].request_id
-            self._failed.update(self.peers.fetch(rid, f))
+            self.peers.fetch(rid, f)
             self._fetching[rid] = self._fetching.get(rid, 0) + 1
         return loads
 

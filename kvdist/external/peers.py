@@ -17,7 +17,7 @@ load as ``Fetch`` records with the step's copies.
   area through the transport of their holder (a copy out of a node peer's shared host
   tier, ``SharedTransport``; MPI messages between nodes, ``MessageTransport``), each
   checked against the holder's stamps around the copy (R2: a stale entry is a miss).
-  Blocks beyond the free landing rows fail at once (the engine recomputes them).
+  Blocks beyond the free landing rows are given up (the engine recomputes them).
 * At every step boundary, on every TP rank (``end_step``): one MIN-reduce inside the TP
   group carries the directory message counts (R4: all apply the same prefix) and, for
   every fetch in flight, in the order the planners started them, which blocks this
@@ -73,6 +73,11 @@ class _Job:
     request_id: Hashable
     batches: list[Batch]
     blocks: list[np.ndarray]
+    norow: np.ndarray  # engine blocks that found no landing row: given up here
+
+    def states(self) -> np.ndarray:
+        """This rank's outcome bits of every block: the batches', then the ones with no row."""
+        return np.concatenate([*(b.state for b in self.batches), np.full(len(self.norow), DONE, np.uint8)])
 
 
 class PeerTier:
@@ -140,10 +145,10 @@ class PeerTier:
         return [d.holder(g) for g in d.match(hashes)]
 
     # -- fetching -----------------------------------------------------------------------------------
-    def fetch(self, request_id: Hashable, f: Fetch) -> tuple[int, ...]:
-        """Start fetching ``f``'s blocks into landing rows (one batch per holder); the
-        engine blocks that found no free row, failed at once (the same on every TP rank:
-        their rows are used alike)."""
+    def fetch(self, request_id: Hashable, f: Fetch) -> None:
+        """Start fetching ``f``'s blocks into landing rows (one batch per holder). Blocks
+        that find no free row are given up here, and decided with the others (a rank's
+        free rows depend on when its given-up copies finished: R1 needs the agreement)."""
         n = min(len(f.blocks), len(self._free))
         rows = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
         peers = np.asarray(f.peers[:n], dtype=np.int64)
@@ -152,7 +157,7 @@ class PeerTier:
         lo = np.array([h & MASK64 for h in f.hashes[:n]], dtype=np.uint64)
         blocks = np.asarray(f.blocks[:n], dtype=np.int64)
         deadline = time.monotonic() + self.timeout_s
-        job = _Job(request_id, [], [])
+        job = _Job(request_id, [], [], np.asarray(f.blocks[n:], dtype=np.int64))
         for peer in dict.fromkeys(peers.tolist()):
             mine = peers == peer
             b = Batch(peer, slots[mine], hi[mine], lo[mine], rows[mine], HOST, deadline, request_id)
@@ -163,7 +168,6 @@ class PeerTier:
         self.counters["fetches"] += 1
         self.counters["blocks_requested"] += n
         self.counters["no_landing_row"] += len(f.blocks) - n
-        return tuple(f.blocks[n:])
 
     def service(self) -> None:
         """Answer peers, move the transports on, poll every batch (never blocks)."""
@@ -193,8 +197,7 @@ class PeerTier:
             self.host.send()
         self.service()
         counts = self.channel.counts()
-        states = [np.concatenate([b.state for b in j.batches]) if j.batches else np.zeros(0, np.uint8)
-                  for j in self._jobs]
+        states = [j.states() for j in self._jobs]
         flat = np.concatenate(states) if states else np.zeros(0, dtype=np.uint8)
         mine = np.concatenate([counts, (flat != PENDING).astype(np.int64), (flat == LANDED).astype(np.int64)])
         agreed = self.tp.allreduce_min_array(mine, "remote tier (external): step agreement") \
@@ -216,14 +219,16 @@ class PeerTier:
         """The group's verdict on ``job``: its good rows go to the caller (who frees them
         by ``release`` once copied out), the others are freed once nothing writes them."""
         rows = np.concatenate([b.dst for b in job.batches]) if job.batches else np.zeros(0, np.int64)
-        blocks = np.concatenate(job.blocks) if job.blocks else np.zeros(0, np.int64)
-        self._decided.append(Fetched(job.request_id, rows[good], blocks[good], tuple(blocks[~good].tolist())))
+        blocks = np.concatenate([*job.blocks, job.norow])
+        landed = good[:len(rows)]
+        failed = tuple(blocks[~good].tolist())
+        self._decided.append(Fetched(job.request_id, rows[landed], blocks[good], failed))
         self.counters["blocks_landed"] += int(good.sum())
         self.counters["blocks_failed"] += int((~good).sum())
         at = 0
         for b in job.batches:
             b.decided[:] = True
-            b.released |= good[at:at + len(b)]
+            b.released |= landed[at:at + len(b)]
             at += len(b)
         self._draining.extend(b for b in job.batches if not b.released.all())
         self._drained()

@@ -170,3 +170,28 @@ def test_a_fetch_one_tp_rank_failed_fails_on_every_tp_rank(world, monkeypatch):
             assert r.failed == set(LOADED_TO)
     finally:
         r.close()
+
+
+def test_blocks_beyond_the_landing_area_are_load_errors_and_the_rest_exact(world):
+    """B's landing area has a row per host slot (4 here): a second load of the prompt in
+    the same step finds none, and its blocks are load errors on every rank; the first's
+    are exact; the rows are free again afterwards."""
+    r = Rank(world, "messages", host_blocks=4)
+    try:
+        want = _saved_bytes(r)
+        _share_the_prompt(r)
+        if r.replica == B:
+            r.planner.plan_load("b", PROMPT, LOADED_TO)
+            r.planner.plan_load("c", PROMPT, [0, 2, 4, 6])
+        r.until(lambda: r.replica != B or {"b", "c"} <= r.loaded)
+        if r.replica == B:
+            assert r.failed == {0, 2, 4, 6}
+            got = snapshot(r.kv)
+            wrong = [f"block {e} layer {layer}" for e, w in zip(LOADED_TO, want) for layer in range(L)
+                     if not torch.equal(got[layer][e], w[layer])]
+            assert wrong == []
+            s = r.worker.stats()["remote"]
+            assert (s["no_landing_row"], s["blocks_landed"], s["landing_rows_free"]) == (4, 4, 4)
+        r.worker.check_invariants()
+    finally:
+        r.close()

@@ -88,6 +88,10 @@ class WorkerSide:
                                   "under external_launcher every TP worker must be a rank of one kvdist job, "
                                   "but this worker's is alone: start the workers with mpiexec (not torchrun "
                                   "alone) and call kvdist.integrations.vllm.launcher_env() before LLM(...)")
+            if self.agree and cache.tp_size not in (1, self.tp):
+                raise ConfigError("distributed.tp_size", self.cfg.distributed.tp_size,
+                                  f"kvdist's replicas have {cache.tp_size} ranks but vLLM's "
+                                  f"tensor_parallel_size is {self.tp}: set distributed.tp_size: {self.tp}")
             cache.register(kv_caches)
         except BaseException:
             cache.close(wait_for_peers=False)
