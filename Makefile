@@ -52,6 +52,8 @@ run: $(STAMP)
 LINT_PATHS := kvdist tests launch scripts
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS) launch/kvdist-launch
+	@# every text-mode open() names its encoding: CI's locale is ASCII (a preview rule, alone)
+	$(BIN)/ruff check --preview --select PLW1514 $(LINT_PATHS) launch/kvdist-launch
 	@missing=$$(comm -23 <(find $(LINT_PATHS) -name '*.py' | sort) \
 	    <($(BIN)/ruff check --show-files $(LINT_PATHS) | grep '\.py$$' | sed "s|^$$PWD/||" | sort)); \
 	if [ -n "$$missing" ]; then echo "ruff skips these files:"; echo "$$missing"; exit 1; fi
@@ -81,7 +83,7 @@ $(VLLM_STAMP): tests/vllm/requirements.txt pyproject.toml
 	@( set -e; $(PY) -m venv $(VLLM_VENV); \
 	  $(VLLM_VENV)/bin/pip install -q --upgrade pip; \
 	  $(VLLM_VENV)/bin/pip install -q "torch==2.13.0"; \
-	  $(VLLM_VENV)/bin/pip install -q -r tests/vllm/requirements.txt "pytest>=8" xxhash tabulate; \
+	  $(VLLM_VENV)/bin/pip install -q -r tests/vllm/requirements.txt "pytest>=8" pytest-timeout xxhash tabulate; \
 	  $(VLLM_VENV)/bin/pip install -q --no-deps "vllm==$(VLLM_VERSION)"; \
 	  $(VLLM_VENV)/bin/pip install -q --no-deps -e . ) > $(VLLM_LOG) 2>&1 \
 	  || { echo "could not build $(VLLM_VENV): see $(VLLM_LOG)"; tail -3 $(VLLM_LOG); exit 1; }

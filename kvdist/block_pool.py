@@ -117,11 +117,22 @@ class BlockPool:
     """Free lists, eviction lists and pending moves of every tier (module docstring)."""
 
     def __init__(self, space: SlotSpace, meta: BlockMeta, index: PrefixIndex, engine: TransferEngine,
-                 policy: RecomputePolicy, counters: CacheCounters, offload_min_priority: int = 0):
+                 policy: RecomputePolicy, counters: CacheCounters, offload_min_priority: int = 0,
+                 drop_behind_disk: bool = False):
         cap = space.capacity
         self.space, self.meta, self.index, self.engine = space, meta, index, engine
         self.policy, self.counters = policy, counters
         self.offload_min_priority = offload_min_priority
+        # An offload never takes a host slot a demotion is still writing to disk (the host
+        # would wait for the write): the host tier's coldest block is dropped for it
+        # instead, not demoted. The disk tier then takes what the disk writes in time of
+        # the room the manager's demote_ahead keeps (it asks for this only then). Whether a
+        # write is done depends on timing, so the ranks of a TP group decide alike from
+        # ``host_ready``: how many slots at the head of the host tier's free queue every
+        # rank found no disk work touching, agreed (MIN) at each end_step. Offloads take
+        # those; past them they drop. Every pop from the head uses one up.
+        self.drop_behind_disk = drop_behind_disk and bool(cap[HOST] and cap[DISK])
+        self.host_ready = cap[HOST]  # at the start no disk work touches any
         # The host tier reuses its oldest free slot first when disk writes may still be
         # reading the newest (FreeQueue), and so does the disk tier, whose newest free slot
         # a promotion's or a reload's read may still be reading (a demotion into it would
@@ -378,6 +389,8 @@ class BlockPool:
     def _take(self, tier: int) -> int:
         s = self.free[tier].pop()
         if s != NO_SLOT:
+            if tier == HOST and self.host_ready:
+                self.host_ready -= 1
             return s
         victim = self.lru[tier].pop_victim()
         if victim == NO_SLOT:
@@ -395,19 +408,46 @@ class BlockPool:
             for along in self._colder[tier]:
                 if not self.policy.worth_storing(along.dst):
                     continue  # never onboarded back from there: drop, do not write it
-                dst = self._take(along.dst)
+                dst = self._offload_slot() if along.dst == HOST else self._take(along.dst)
                 if dst != NO_SLOT:
                     self.move(slot, dst, along)
                     self.lru[along.dst].push(dst)
                     return
-        self.index.remove(slot)
-        meta.state_mv[slot] = FREE
+        self._drop(slot)
         self.free[tier].push(slot)
+
+    def _drop(self, slot: int) -> None:
+        """The cached block in ``slot`` (out of the lists) leaves the cache; the slot is
+        FREE, on no free list."""
+        self.index.remove(slot)
+        self.meta.state_mv[slot] = FREE
         self.counters.dropped += 1
         if self.host_observer is not None:
             self._host_changed(slot, NO_SLOT)
         if self.block_observer is not None:
             self.block_observer.dropped(slot, self._pending)
+
+    def _offload_slot(self) -> int:
+        """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
+        NO_SLOT if none."""
+        if not self.drop_behind_disk or (self.host_ready and len(self.free[HOST])):
+            return self._take(HOST)
+        victim = self.lru[HOST].pop_victim()
+        if victim == NO_SLOT:
+            return self._take(HOST)  # nothing to drop instead: the offload waits for the write
+        self.counters.evictions[HOST] += 1
+        self.counters.dropped_behind_disk += 1
+        self._drop(victim)
+        return victim
+
+    def local_host_ready(self) -> int:
+        """How many slots at the head of the host tier's free queue no disk work touches
+        on this rank (timing-dependent: agree on the TP group's MIN, ``host_ready``).
+        After ``submit_moves``: the moves are the engine's."""
+        assert not self._moves, "local_host_ready before submit_moves"
+        free = self.free[HOST]
+        busy = self.engine.disk_pending(free.peek_many(len(free)))
+        return int(busy.argmax()) if busy.any() else len(free)
 
     def make_free(self, tier: int, n: int) -> None:
         """Evict the coldest blocks of ``tier`` until it has ``n`` free slots (or
@@ -433,6 +473,11 @@ class BlockPool:
         n = min(n, len(lru))
         if n < 2 or len(below) < n or not self.policy.worth_storing(along.dst):
             return
+        if self.drop_behind_disk:  # only the agreed ready slots (host_ready)
+            n = min(n, self.host_ready)
+            if n < 2:
+                return
+            self.host_ready -= n
         victims = lru.pop_victims(n)
         dsts = below.pop_many(n)
         self.counters.evictions[GPU] += n
@@ -483,7 +528,10 @@ class BlockPool:
                             self._pending)
 
     def check_invariants(self) -> None:
-        """The eviction lists' own links; every move handed to the engine."""
+        """The eviction lists' own links; every move handed to the engine; no more host
+        slots agreed ready than are free."""
         assert not self._moves, f"{self._pending} moves never reached the transfer engine"
+        assert not self.drop_behind_disk or self.host_ready <= len(self.free[HOST]), \
+            f"{self.host_ready} host slots agreed ready, {len(self.free[HOST])} free"
         for lru in self.lru:
             lru.check_invariants()

@@ -142,6 +142,11 @@ class FreeQueue:
         self._items[at] = slots
         self._count += n
 
+    def peek_many(self, n: int) -> np.ndarray:
+        """The next ``n`` slots ``pop`` would give, left in the queue (int64)."""
+        assert 0 <= n <= self._count, f"peek_many({n}) with {self._count} free"
+        return self._ordered(n).astype(np.int64)
+
     def pop_many(self, n: int) -> np.ndarray:
         """``pop`` ``n`` times, as an int64 array."""
         assert 0 <= n <= self._count, f"pop_many({n}) with {self._count} free"

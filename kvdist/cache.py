@@ -167,9 +167,12 @@ class KVCache:
         manager.end_step()
         policy = manager.policy
         # Timing-dependent figures differ per rank: decide from the TP group's (MIN): the
-        # recompute policy's, and which prefetches' disk reads every rank has (kvdist.loads).
-        # One MIN-reduce, on which the remote tier's agreement rides.
+        # recompute policy's, the host slots no disk write still reads (offloads take only
+        # those: BlockPool.host_ready), and which prefetches' disk reads every rank has
+        # (kvdist.loads). One MIN-reduce, on which the remote tier's agreement rides.
         figures = policy.local_figures() if policy.enabled and len(self.tiers) > 1 else []
+        ready = manager.local_host_ready()
+        figures = figures + ready
         landed = self._loads.local()  # [] when no prefetch waits (alike on every rank)
         extra = figures + landed if figures or landed else None
         agreed = self._remote.end_step(extra) if self._remote is not None else None
@@ -177,8 +180,10 @@ class KVCache:
             if agreed is None:
                 agreed = self._replicas.tp.allreduce_min(
                     extra, "recompute policy figures" if not landed else "step figures and disk loads")
-            if figures:
-                policy.agree(agreed[:len(figures)])
+            n = len(figures) - len(ready)
+            if n:
+                policy.agree(agreed[:n])
+            manager.agree_host_ready(agreed[n:len(figures)])
             self._loads.agree(agreed[len(figures):])
         if self._parts.events is not None:
             self._parts.events.end_step()  # the step's block changes: one batch, sent off the step's path
@@ -290,6 +295,7 @@ class KVCache:
             "evictions": sum(c.evictions),
             "evictions_by_tier": {TIER_NAMES[t]: c.evictions[t] for t in range(3) if m.has_tier(t)},
             "dropped": c.dropped,
+            "dropped_behind_disk": c.dropped_behind_disk,
             "transfer_seconds": m.transfer_seconds,
             "bookkeeping_seconds": m.bookkeeping_seconds,
             "transfer_path": executor.path,

@@ -133,6 +133,7 @@ the error propagates."""
             enable_reuse=cfg.cache.enable_reuse,
             offload_min_priority=cfg.cache.offload_min_priority,
             demote_ahead=int(cfg.cache.disk.demote_ahead * host_n),
+            drop_behind_disk=cfg.cache.disk.drop_behind,
             engine_seams=seams.engine_seams(), table_rows=seams.table_rows,
             recompute_when_faster=cfg.cache.recompute_when_faster)
         local.stager = Stager(local.backend.upload, slots=seams.staging_slots, protect=seams.protect_staging)

@@ -83,6 +83,7 @@ def config_path(given: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    process.printable_anywhere()
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":

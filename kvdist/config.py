@@ -102,6 +102,13 @@ class DiskTierConfig(_Section):
     # Share of the host tier end_step keeps free by demoting its coldest blocks: an
     # offload then lands in a slot no disk write is still reading (no host wait).
     demote_ahead: float = Field(default=0.05, ge=0, lt=1)
+    # An offload that finds the host slots demote_ahead freed still being written drops
+    # the host tier's coldest block for room instead of waiting for the write: the disk
+    # tier takes what the disk writes in time (false: every offload waits for its slot).
+    # With no room kept ahead (demote_ahead a host tier's fraction below one block), the
+    # host tier demotes as it must and the offloads wait. Off by default until measured on
+    # a GPU (run --compare's all-tiers-dropping beside all-tiers).
+    drop_behind: bool = False
     # Reads slower than this are made to wait (0: as fast as the disk goes): a drill for
     # a slow disk, e.g. to watch the onboard-or-recompute policy turn it down.
     max_read_bytes_per_s: Size = 0
@@ -362,7 +369,7 @@ def load_config(source: str | os.PathLike | dict | CacheConfig) -> CacheConfig:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise ConfigError("<file>", str(path), f"cannot read the config file: {e.strerror}") from None
         except UnicodeDecodeError:

@@ -18,4 +18,7 @@ class CacheCounters:
     blocks_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_NAMES, 0))
     evictions: list[int] = field(default_factory=lambda: [0, 0, 0])  # by tier evicted from
     dropped: int = 0
+    # of which host blocks dropped, not demoted, to make room for an offload while the
+    # disk was still writing the slots demoted before (BlockPool.drop_behind_disk)
+    dropped_behind_disk: int = 0
     steps: int = 0

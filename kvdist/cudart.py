@@ -14,7 +14,7 @@ _NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 def loaded_paths() -> list[str]:
     """Paths of the libcudart copies this process has mapped, in map order (usually one)."""
     try:
-        with open("/proc/self/maps") as maps:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
             return list(dict.fromkeys(line.split()[-1] for line in maps if "libcudart.so" in line))
     except OSError:
         return []

@@ -61,6 +61,7 @@ class CacheManager:
 
     def __init__(self, layout: KVLayout, capacity: tuple[int, int, int], executor: Executor, *,
                  enable_reuse: bool = True, offload_min_priority: int = 0, demote_ahead: int = 0,
+                 drop_behind_disk: bool = False,
                  engine_seams: EngineSeams | None = None, table_rows: int = DEFAULT_ROWS,
                  recompute_when_faster: bool = True):
         assert capacity[GPU] > 0, "the GPU tier needs at least one block"
@@ -81,7 +82,8 @@ class CacheManager:
         self.policy = RecomputePolicy(layout.bytes_per_block, self.tpb, recompute_when_faster)
         self.counters = CacheCounters()
         self.pool = BlockPool(self.space, self.meta, self.index, self.engine, self.policy,
-                              self.counters, offload_min_priority)
+                              self.counters, offload_min_priority,
+                              drop_behind_disk=drop_behind_disk and self.demote_ahead > 0)
         self.seqs: dict[Hashable, Sequence] = {}
         self.host_table = TableRows(rows=table_rows)  # persistent rows; step tables are gathered from it
         self._dirty: dict[Hashable, Sequence] = {}  # sequences that got tokens this step
@@ -340,6 +342,16 @@ class CacheManager:
             self.engine.flush()
         self.counters.steps += 1
         self.bookkeeping_seconds += time.perf_counter() - t0
+
+    def local_host_ready(self) -> list[int]:
+        """The host slots ready for offloads on this rank (``BlockPool.host_ready``), as a
+        figure for the TP group's MIN at end_step; [] when offloads never drop."""
+        return [self.pool.local_host_ready()] if self.pool.drop_behind_disk else []
+
+    def agree_host_ready(self, agreed: list[int]) -> None:
+        """The TP group's MIN of ``local_host_ready`` (the same list shape)."""
+        if agreed:
+            self.pool.host_ready = agreed[0]
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = len(seq.tokens) // self.tpb

@@ -6,6 +6,7 @@ watcher (``launcher/rank_watcher.py``) that lets launch/kvdist-launch say which 
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import signal
 import socket
@@ -16,6 +17,15 @@ from .launcher.wire import ADDR_ENV as LAUNCH_ADDR_ENV
 from .launcher.wire import TOKEN_ENV as LAUNCH_TOKEN_ENV
 
 RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def printable_anywhere() -> None:
+    """Let this process print its figures and messages (which hold ×, →, µ) whatever the
+    locale: a terminal or CI whose encoding is ASCII gets them escaped (\\xd7), where
+    ``print`` would raise UnicodeEncodeError mid-report."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.encoding.lower().replace("-", "") != "utf8":
+            stream.reconfigure(errors="backslashreplace")
 
 
 def launcher_rank() -> int | None:

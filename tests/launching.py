@@ -38,7 +38,7 @@ def tiny_config(tmp_path: Path, disk_dir: Path | None = None, **sections) -> Pat
     for name, over in sections.items():
         cfg.setdefault(name, {}).update(over)
     path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
 
 
@@ -48,7 +48,7 @@ def start(args: list[str], np: int | None = None, env: dict | None = None) -> su
     cmd = [sys.executable, "-m", "kvdist", *args] if np is None else [*LAUNCH, "-n", str(np), *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPIEXEC_TIMEOUT": "120", **(env or {})}
     return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, encoding="utf-8")
 
 
 def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60,
@@ -101,7 +101,7 @@ def cpu_seconds(pids: list[int]) -> float:
     ticks = 0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
         except OSError:
             continue
         ticks += int(fields[11]) + int(fields[12])
@@ -134,7 +134,7 @@ def _children() -> dict[int, list[int]]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
+                stat = Path(f"/proc/{entry}/stat").read_text(encoding="utf-8")
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
@@ -173,7 +173,7 @@ def private_unavailable() -> str | None:
     if shutil.which("unshare") is None:
         return "needs unshare (util-linux)"
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                            "mount -t tmpfs kvprobe /tmp"], capture_output=True, text=True)
+                            "mount -t tmpfs kvprobe /tmp"], capture_output=True, text=True, encoding="utf-8")
     return None if probe.returncode == 0 else f"unshare -m failed: {probe.stderr.strip()}"
 
 
@@ -202,8 +202,8 @@ def start_private(config: Path, args: list[str], np: int,
            *argv]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPIEXEC_TIMEOUT": "120", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    proc.stdin.write(config.read_text())
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, encoding="utf-8")
+    proc.stdin.write(config.read_text(encoding="utf-8"))
     proc.stdin.close()
     holder = int(wait_for_line(proc, "holder ").split()[1])
     return proc, holder
@@ -242,7 +242,7 @@ def alive(pids: list[int]) -> list[int]:
     out = []
     for pid in pids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
         if state not in ("Z", "X"):

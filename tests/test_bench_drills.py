@@ -14,7 +14,8 @@ def test_drills_on_one_rank(tmp_path, capsys):
     disk = tmp_path / "disk"
     cfg = tmp_path / "drill.yaml"
     cfg.write_text(yaml.safe_dump(make_cfg(cache={"host": {"bytes": 4 * 512},
-                                                  "disk": {"path": str(disk), "bytes": 8 * 512}})))
+                                                  "disk": {"path": str(disk), "bytes": 8 * 512}})),
+                                                      encoding="utf-8")
     assert drills.main(["--config", str(cfg), "--stall-timeout", "0.5"]) == 0
     out = capsys.readouterr().out
     outcomes = re.findall(r"^\s*0\s+(\S+)", out, flags=re.M)

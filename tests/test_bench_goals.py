@@ -9,7 +9,7 @@ from kvdist.bench import goals
 
 
 def _write(tmp_path, name: str, data: dict) -> None:
-    (tmp_path / name).write_text(json.dumps(data))
+    (tmp_path / name).write_text(json.dumps(data), encoding="utf-8")
 
 
 def test_each_figure_against_its_goal(tmp_path, capsys):

@@ -39,7 +39,7 @@ def test_a_size_past_int64_is_a_config_error_not_an_overflow(text):
 def test_dict_and_yaml_agree(tmp_path):
     d = make_cfg(cache={"host": {"bytes": "1MiB"}})
     p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump(d))
+    p.write_text(yaml.safe_dump(d), encoding="utf-8")
     assert kvdist.load_config(p) == kvdist.load_config(d)
     assert kvdist.load_config(p).cache.host.bytes == 1 << 20
     assert kvdist.load_config(p).digest() == kvdist.load_config(d).digest()
@@ -93,7 +93,7 @@ def test_missing_required_key():
 
 def test_disk_path_that_cannot_be_created(tmp_path):
     blocker = tmp_path / "file"
-    blocker.write_text("x")
+    blocker.write_text("x", encoding="utf-8")
     with pytest.raises(kvdist.ConfigError) as ei:
         kvdist.load_config(make_cfg(cache={"disk": {"bytes": "1MiB", "path": str(blocker / "sub")}}))
     assert ei.value.key == "cache.disk.path" and str(blocker / "sub") in str(ei.value)
@@ -114,12 +114,12 @@ def test_cuda_device_without_cuda():
 
 def _cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "kvdist", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, encoding="utf-8")
 
 
 def _cli_mistake(tmp_path, cfg: dict, key: str, value: str):
     p = tmp_path / "bad.yaml"
-    p.write_text(yaml.safe_dump(cfg))
+    p.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     r = _cli("run", "--config", str(p))
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -139,7 +139,7 @@ def test_cli_missing_key_two_gpu_sizes_and_bad_disk_path(tmp_path):
     _cli_mistake(tmp_path, make_cfg(cache={"gpu": {"blocks": 8, "bytes": "1MiB"}}), "cache.gpu",
                  "exactly one")
     blocker = tmp_path / "file"
-    blocker.write_text("x")
+    blocker.write_text("x", encoding="utf-8")
     bad = str(blocker / "sub")
     _cli_mistake(tmp_path, make_cfg(cache={"disk": {"bytes": "1MiB", "path": bad}}), "cache.disk.path", bad)
 
@@ -148,7 +148,7 @@ def test_cli_missing_file_and_bad_yaml(tmp_path):
     r = _cli("run", "--config", str(tmp_path / "nope.yaml"))
     assert r.returncode == 2 and "nope.yaml" in r.stderr and "Traceback" not in r.stderr
     p = tmp_path / "broken.yaml"
-    p.write_text("model: [unclosed\n")
+    p.write_text("model: [unclosed\n", encoding="utf-8")
     r = _cli("run", "--config", str(p))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "YAML" in r.stderr
 

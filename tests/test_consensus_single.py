@@ -148,7 +148,7 @@ def test_no_mpi_job_never_imports_mpi(tmp_path):
     env[faults.ENV] = "host_tier@0"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, encoding="utf-8")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "USE_NO_HOST ('gpu',) False"
 

@@ -24,7 +24,7 @@ def _unmapped_segments() -> set[Path]:
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            lines = maps.read_text().splitlines()
+            lines = maps.read_text(encoding="utf-8").splitlines()
         except OSError:
             continue
         mapped |= {ln.split(None, 5)[-1].removesuffix(" (deleted)") for ln in lines if "/dev/shm/" in ln}
@@ -89,11 +89,11 @@ def test_ranks_leaving_on_a_mistake_exit_with_its_code_and_leave_no_segment(tmp_
     test's job ended with 9 in a CI run; a bare 4-rank script, 5 of 8 runs)."""
     bad = tiny_config(tmp_path, cache={"gpu": {"blocks": 10**12}})  # found once the ranks have talked
     line = subprocess.run([*LAUNCH, "--dry-run", "-n", "4", "run", "--config", str(bad)], cwd=ROOT,
-                          capture_output=True, text=True, check=True).stdout.strip()
+                          capture_output=True, text=True, check=True, encoding="utf-8").stdout.strip()
     left = set(Path("/dev/shm").glob("mpich_shm_*"))
     for _ in range(3):
         job = subprocess.run(line, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "MPIEXEC_TIMEOUT": "120"})
+                             env={**os.environ, "MPIEXEC_TIMEOUT": "120"}, encoding="utf-8")
         assert job.returncode == 2, (job.stdout, job.stderr)
         assert "cache.gpu.blocks" in job.stderr and "BAD TERMINATION" not in job.stdout
         assert _unmapped_segments() - left == set()

@@ -11,7 +11,7 @@ REF = re.compile(r"`(kvdist/[\w/]+\.py):([\w.]+)`")
 
 
 def references() -> list[tuple[str, str]]:
-    return REF.findall((ROOT / "docs" / "design.md").read_text())
+    return REF.findall((ROOT / "docs" / "design.md").read_text(encoding="utf-8"))
 
 
 def test_every_code_reference_of_the_design_resolves():
@@ -32,7 +32,7 @@ def test_every_code_reference_of_the_design_resolves():
 def test_each_rule_has_its_enforcement_named():
     """Every synchronization rule (S1-S5) and every remote-tier rule (R1-R4) has a row
     naming the code that enforces it."""
-    text = (ROOT / "docs" / "design.md").read_text()
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     for rule in ("S1", "S2", "S3", "S4", "S5", "R1", "R2", "R3", "R4"):
         row = next((line for line in text.splitlines() if line.startswith(f"| **{rule}**")), None)
         assert row is not None and REF.search(row), f"{rule}: no row naming the code that enforces it"

@@ -54,7 +54,7 @@ def test_the_replays_never_check_the_runs_disk_tier(tmp_path, disk_of):
     cfg = kvdist.load_config(make_cfg(cache={"disk": {"path": str(where), "bytes": 16 * BLOCK}}))
     with kvdist.create(cfg):
         shutil.rmtree(where)  # the tier's file has no name: the run goes on without its directory
-        where.write_text("not a directory any more")
+        where.write_text("not a directory any more", encoding="utf-8")
         shadows = Shadows(cfg, gpu_blocks=8, priority=35)  # rank 0's replays, no disk tier of theirs
         assert [r.cache.tiers for r in shadows.replays] == [("gpu",), ("gpu",)]
         shadows.close()
@@ -76,6 +76,6 @@ def test_a_two_rank_job_whose_disk_tiers_fill_a_tmpfs_runs_through(tmp_path):
     script = f"mount -t tmpfs -o size=2m tmpfs {fs} && exec {' '.join(job)}"
     env = {**os.environ, "MPIEXEC_TIMEOUT": "120", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=180)
+                          env=env, capture_output=True, text=True, timeout=180, encoding="utf-8")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "kvdist run: 2 ranks" in done.stdout, done.stderr

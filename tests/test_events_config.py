@@ -115,12 +115,12 @@ def test_the_command_line_says_one_line_and_exits_2(tmp_path):
     taken = _taken_port()
     port = taken.getsockname()[1]
     try:
-        cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+        cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8"))
         cfg["cache"]["events"] = {"enabled": True, "endpoint": f"tcp://127.0.0.1:{port}"}
         p = tmp_path / "ev.yaml"
-        p.write_text(yaml.safe_dump(cfg))
+        p.write_text(yaml.safe_dump(cfg), encoding="utf-8")
         r = subprocess.run([sys.executable, "-m", "kvdist", "run", "--config", str(p)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, encoding="utf-8")
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2, r.stderr
         assert len(lines) == 1 and "cache.events.endpoint" in lines[0] and str(port) in lines[0], r.stderr

@@ -43,7 +43,7 @@ time.sleep(600)
 def _gone(pid: int) -> bool:
     """No such process, or a zombie (ended; its reaper is slow)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
@@ -65,7 +65,7 @@ def _children() -> list[int]:
         if not d.name.isdigit():
             continue
         try:
-            stat = (d / "stat").read_text()
+            stat = (d / "stat").read_text(encoding="utf-8")
             cmd = (d / "cmdline").read_bytes()
         except OSError:
             continue
@@ -77,7 +77,7 @@ def _children() -> list[int]:
 
 def _start_parent(**kw) -> tuple[subprocess.Popen, int]:
     parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, **kw)
+                              stderr=subprocess.PIPE, text=True, **kw, encoding="utf-8")
     line = parent.stdout.readline()
     assert line.strip().isdigit(), parent.stderr.read()
     child = int(line)

@@ -62,7 +62,7 @@ class FakeRegistrar:
 
 def mapped(addr: int, nbytes: int) -> bool:
     """Whether any part of [addr, addr + nbytes) is mapped in this process."""
-    with open("/proc/self/maps") as f:
+    with open("/proc/self/maps", encoding="utf-8") as f:
         for line in f:
             lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
             if lo < addr + nbytes and addr < hi:

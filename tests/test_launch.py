@@ -18,7 +18,7 @@ LAUNCH = ROOT / "launch" / "kvdist-launch"
 
 def fake_mpiexec(tmp_path: Path, version: str) -> Path:
     path = tmp_path / "mpiexec"
-    path.write_text(f"#!/bin/sh\necho '{version}'\n")
+    path.write_text(f"#!/bin/sh\necho '{version}'\n", encoding="utf-8")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 
@@ -34,7 +34,7 @@ def launcher_env(monkeypatch):
 def launch(*argv: str, env: dict | None = None, timeout: int = 60,
            script: Path = LAUNCH) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=ROOT)
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=ROOT, encoding="utf-8")
 
 
 def dry_run(*argv: str, env: dict | None = None, script: Path = LAUNCH) -> tuple[dict, list[str]]:
@@ -52,7 +52,7 @@ def dry_run(*argv: str, env: dict | None = None, script: Path = LAUNCH) -> tuple
 def test_mpich_command_line(tmp_path):
     mpiexec = fake_mpiexec(tmp_path, "HYDRA build details: Version: 4.2.0")
     hosts = tmp_path / "hosts"
-    hosts.write_text("node-a\nnode-b\n")
+    hosts.write_text("node-a\nnode-b\n", encoding="utf-8")
     env, cmd = dry_run("-n", "8", "--hostfile", str(hosts), "--ppn", "4", "--mpiexec", str(mpiexec),
                        "--python", sys.executable, "run", "--config", "configs/default.yaml")
     assert cmd == [str(mpiexec), "-n", "8", "-f", str(hosts), "-ppn", "4", sys.executable, "-m", "mpi4py",
@@ -63,7 +63,7 @@ def test_mpich_command_line(tmp_path):
 def test_open_mpi_command_line_forwards_kvdist_environment(tmp_path):
     mpiexec = fake_mpiexec(tmp_path, "mpirun (Open MPI) 4.1.5")
     hosts = tmp_path / "hosts"
-    hosts.write_text("node-a slots=4\n")
+    hosts.write_text("node-a slots=4\n", encoding="utf-8")
     env, cmd = dry_run("-n", "4", "--hostfile", str(hosts), "--ppn", "2", "--python", sys.executable,
                        "--", "placement", env={"MPIEXEC": str(mpiexec), "KVDIST_FAULTS": "stall@1",
                                                "MPIEXEC_TIMEOUT": "90"})
@@ -148,7 +148,7 @@ def test_the_launcher_runs_from_a_python_without_kvdists_dependencies():
         pytest.skip("no python3 other than the venv's")
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")}
     out = subprocess.run([base, str(LAUNCH), "--dry-run", "-n", "2", "placement"], capture_output=True,
-                         text=True, timeout=60, env=env)
+                         text=True, timeout=60, env=env, encoding="utf-8")
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     assert str(ROOT / ".venv" / "bin" / "python") in out.stdout and "-m kvdist placement" in out.stdout

@@ -171,7 +171,7 @@ def test_idle_connections_beyond_the_descriptors_neither_spin_nor_lock_out_a_wat
     watcher connecting afterwards is heard."""
     seconds = HELLO_TIMEOUT_S + 6
     serve = subprocess.Popen([sys.executable, "-c", SERVE, TOKEN, str(seconds)], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, encoding="utf-8")
     try:
         port = int(serve.stdout.readline())
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
@@ -196,12 +196,12 @@ def test_idle_connections_beyond_the_descriptors_neither_spin_nor_lock_out_a_wat
 ])
 def test_launcher_mistakes_are_one_line_and_exit_2(argv, said):
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "kvdist-launch"), *argv], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+                         text=True, timeout=60, cwd=ROOT, encoding="utf-8")
     assert (out.returncode, out.stderr.splitlines(), out.stdout) == (2, [said], "")
 
 
 def test_placement_rejects_a_negative_gpu_count():
     out = subprocess.run([sys.executable, "-m", "kvdist", "placement", "--gpus-per-node", "-1"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, encoding="utf-8")
     assert (out.returncode, out.stderr.splitlines()) == \
         (2, ["kvdist: option '--gpus-per-node': must be at least 1 (got -1)"])

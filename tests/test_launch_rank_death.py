@@ -89,6 +89,7 @@ def test_leftover_segments_go_unless_a_live_process_maps_them(tmp_path):
         (shm / name).write_bytes(b"x")
     live = shm / "mpich_shm_live_0"
     (proc / "4242" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 99   {live}\n"
-                                        "7f20-7f30 r-xp 00000000 08:01 12   /usr/lib/libc.so.6\n")
+                                        "7f20-7f30 r-xp 00000000 08:01 12   /usr/lib/libc.so.6\n",
+                                            encoding="utf-8")
     assert remove_leftovers(before, shm, proc, grace_s=0.1) == 1
     assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_live_0", "mpich_shm_old_0", "other_0"]

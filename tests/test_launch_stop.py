@@ -46,7 +46,7 @@ def watchers(launcher: int) -> list[int]:
 
 def _state(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"

@@ -44,7 +44,8 @@ def read_lines(conn: socket.socket, n: int) -> list[bytes]:
 
 def running(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
 
@@ -120,7 +121,8 @@ def test_leftovers_are_new_unmapped_files_of_mpich_and_kvdist(tmp_path):
     for name in ("mpich_shm_left_0", "kvdist-00ab-1.host", "kvdist-00ab-1.stamps",
                  "kvdist-00ab-0.node", "mpich_shm_live_0", "other_0"):
         (shm / name).write_bytes(b"x")
-    (proc / "77" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 9 {shm}/mpich_shm_live_0\n")
+    (proc / "77" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 9 {shm}/mpich_shm_live_0\n",
+        encoding="utf-8")
     found = rank_watcher.leftovers(since, str(shm), str(proc))
     kvdist_files = ["kvdist-00ab-0.node", "kvdist-00ab-1.host", "kvdist-00ab-1.stamps"]
     assert sorted(Path(p).name for p in found) == [*kvdist_files, "mpich_shm_left_0", "mpich_shm_old_0"]

@@ -19,7 +19,7 @@ def test_a_failure_on_one_rank_aborts_the_mpi_job_at_once():
     r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
                         "--with-mpi", "-p", "no:cacheprovider", "tests/mpi/failing_demo.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "MPIEXEC_TIMEOUT": "300"})
+                       env={**os.environ, "MPIEXEC_TIMEOUT": "300"}, encoding="utf-8")
     seconds = time.monotonic() - t0
     remove_leftovers(segments)  # the aborted ranks leave MPICH's segment: what this test made
     out = r.stdout + r.stderr

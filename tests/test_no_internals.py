@@ -54,7 +54,7 @@ def test_no_code_outside_the_library_reads_a_private_attribute_of_a_cache():
         if f.resolve() == me:
             continue
         try:
-            text = f.read_text()
+            text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         hits = find_reaches(text)

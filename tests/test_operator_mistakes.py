@@ -25,11 +25,11 @@ def _one_line(args: list[str], must: list[str], np: int | None = None, env: dict
 
 
 def _config(tmp_path, **sections) -> str:
-    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
+    cfg = yaml.safe_load(tiny_config(tmp_path).read_text(encoding="utf-8"))
     for name, over in sections.items():
         cfg[name].update(over)  # a key's whole value is replaced
     path = tmp_path / "mistake.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return str(path)
 
 
@@ -130,7 +130,7 @@ def test_out_whose_latest_is_not_a_symlink_is_refused_before_the_run(tmp_path, k
     out = tmp_path / "runs"
     out.mkdir()
     latest = out / "latest"
-    latest.mkdir() if kind == "directory" else latest.write_text("mine")
+    latest.mkdir() if kind == "directory" else latest.write_text("mine", encoding="utf-8")
     _one_line(["run", "--config", _config(tmp_path, workload={"requests": 2}), "--quiet", "--out", str(out)],
               ["--out", str(out), f"{latest} is a {kind}, not the symlink"])
     assert os.listdir(out) == ["latest"]  # no run directory, no temporary link

@@ -40,7 +40,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[:len(package.split(".")) - node.level + 1]
@@ -77,7 +77,7 @@ def circles(graph: dict[str, set[str]]) -> list[str]:
 def private_reads(path: Path) -> set[str]:
     """``obj._name`` (not on self or cls, not dunder) and ``from x import _name`` in a file."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
                 and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             out.add(ast.unparse(node))
@@ -91,7 +91,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     root = tmp_path / "pkg"
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
+        (root / name).write_text(text, encoding="utf-8")
     return root
 
 
@@ -125,4 +125,31 @@ def test_no_module_reads_another_modules_private_names():
         extra = private_reads(path) - ALLOWED_PRIVATE_READS.get(rel, set())
         if extra:
             found[rel] = sorted(extra)
+    assert found == {}
+
+
+def unnamed_encodings(path: Path) -> list[int]:
+    """Lines of ``read_text``/``write_text`` calls and ``subprocess`` calls in text mode
+    (``text=True``) that do not name their encoding: they read and write in the
+    locale's, which on CI is ASCII (``open`` is checked by ruff's PLW1514 in make lint)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+        text_mode = any(k.arg in ("text", "universal_newlines") and isinstance(k.value, ast.Constant)
+                        and k.value.value is True for k in node.keywords)
+        if name in ("read_text", "write_text") or text_mode:
+            out.append(node.lineno)
+    return out
+
+
+def test_every_text_read_and_write_names_its_encoding(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("p.read_text()\np.write_text(s, encoding='utf-8')\nrun(a, text=True)\n",
+                     encoding="utf-8")
+    assert unnamed_encodings(probe) == [1, 3]
+    top = ROOT.parent
+    found = {str(p.relative_to(top)): lines for d in ("kvdist", "tests", "scripts", "launch")
+             for p in sorted((top / d).rglob("*.py")) if (lines := unnamed_encodings(p))}
     assert found == {}

@@ -15,6 +15,7 @@ streams, and corrupt them with rule S2 off."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from array import array
 from collections import Counter, deque
@@ -625,8 +626,9 @@ def test_release_and_add_the_same_id_in_one_step_registers_both():
 # -- long cascades, bytes checked -----------------------------------------------------------------
 
 
-def long_churn(cache, steps=40, seed=0):
-    """Prompts of 25-70 blocks over 4-token blocks: one admission moves dozens of blocks."""
+def long_churn(cache, steps=40, seed=0, admitting=contextlib.nullcontext):
+    """Prompts of 25-70 blocks over 4-token blocks: one admission moves dozens of blocks.
+    ``admitting(i)``: a context each step's admission runs in."""
     drv = IntegrityDriver(cache)
     rng = random.Random(seed)
     systems = [[rng.randrange(50) for _ in range(rng.randrange(100, 200))] for _ in range(4)]
@@ -634,7 +636,8 @@ def long_churn(cache, steps=40, seed=0):
     for i in range(steps):
         drv.begin()
         head = rng.choice(history) if history and rng.random() < 0.5 else rng.choice(systems)
-        drv.add(i, head + [rng.randrange(50) for _ in range(rng.randrange(1, 80))])
+        with admitting(i):
+            drv.add(i, head + [rng.randrange(50) for _ in range(rng.randrange(1, 80))])
         drv.compute()
         drv.end()
         drv.begin()
@@ -651,7 +654,11 @@ def long_churn(cache, steps=40, seed=0):
 def test_long_cascades_keep_every_byte(cfg_factory, rules):
     bulk: list[int] = []
     seams = Seams(copy_many_sizes=bulk) if rules is None else Seams(rules=rules, copy_many_sizes=bulk)
-    cache = kvdist.testing.create(cfg_factory(gpu=90, host=96, disk=160, simulate_async=True), seams)
+    cfg = cfg_factory(gpu=90, host=96, disk=160, simulate_async=True)
+    # Cascades down to disk inside a step are what this checks: offloads wait for the
+    # demotions they follow, rather than drop host blocks (test_drop_behind_disk.py).
+    cfg["cache"]["disk"]["drop_behind"] = False
+    cache = kvdist.testing.create(cfg, seams)
     try:
         drv = long_churn(cache)
         s = cache.stats()

@@ -20,7 +20,7 @@ def test_a_failing_replica_test_does_not_wait_in_close():
     r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
                         "--with-mpi", "-p", "no:cacheprovider", "tests/mpi/failing_replica_demo.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400,
-                       env={**os.environ, "MPIEXEC_TIMEOUT": "400"})
+                       env={**os.environ, "MPIEXEC_TIMEOUT": "400"}, encoding="utf-8")
     seconds = time.monotonic() - t0
     remove_leftovers(segments)  # the aborted ranks leave MPICH's segment
     out = r.stdout + r.stderr

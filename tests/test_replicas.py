@@ -55,9 +55,9 @@ def test_remote_config_mistakes(over, key, value):
 
 def test_cli_tp_size_mistake_is_one_line_exit_2(tmp_path):
     p = tmp_path / "bad.yaml"
-    p.write_text(yaml.safe_dump(make_cfg(distributed={"tp_size": 3})))
+    p.write_text(yaml.safe_dump(make_cfg(distributed={"tp_size": 3})), encoding="utf-8")
     r = subprocess.run([sys.executable, "-m", "kvdist", "run", "--config", str(p)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, encoding="utf-8")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "distributed.tp_size" in lines[0] and "world size 1" in lines[0], r.stderr

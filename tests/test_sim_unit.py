@@ -267,11 +267,11 @@ def test_short_run_reuses_every_tier_with_zero_mismatches(tmp_path, simulate_asy
     assert computed["this run"] < computed["gpu-only"] < computed["no reuse"]
     latest = tmp_path / "runs" / "latest"
     assert latest.is_symlink() and latest.resolve() == Path(r["run_dir"]).resolve()
-    saved = json.loads((latest / "results.json").read_text())
+    saved = json.loads((latest / "results.json").read_text(encoding="utf-8"))
     assert all(k in saved for k in REQUIRED_KEYS) and saved["reused_tokens"] == r["reused_tokens"]
     for png in ("hit_rate.png", "occupancy.png", "bytes_moved.png"):
         assert (latest / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    timeline = json.loads((latest / "timeline.json").read_text())
+    timeline = json.loads((latest / "timeline.json").read_text(encoding="utf-8"))
     assert len(timeline["prompt_tokens"]) == r["steps"]
     assert timeline["prompt_tokens"][-1] == r["prompt_tokens"]
 
@@ -373,7 +373,7 @@ def test_readme_documents_every_metric_label_value():
     """Each label value the endpoint can carry (tiers, copy directions) is in the README."""
     from kvdist.sim.experiment.metrics import MOVES, TIERS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("| metric | labels | what |"):]
     section = section[: section.index("\n\n")]
     for value in (*TIERS, *MOVES):
@@ -402,7 +402,7 @@ def test_shipped_configs_overflow_the_gpu_tier_and_fit_every_request(name, monke
 def test_multinode_example_is_a_valid_config(tmp_path, monkeypatch):
     import yaml
 
-    data = yaml.safe_load((ROOT / "configs" / "multinode.yaml").read_text())
+    data = yaml.safe_load((ROOT / "configs" / "multinode.yaml").read_text(encoding="utf-8"))
     data["cache"]["disk"]["path"] = str(tmp_path)  # its node-local NVMe is not here
     monkeypatch.setattr(kvdist.paths, "free_bytes", lambda directory: 1 << 50)  # nor its 128 GiB
     cfg = kvdist.load_config(data)
@@ -416,7 +416,7 @@ def test_default_config_comment_states_the_working_set_it_makes():
 
     from kvdist.sim.experiment.workload import generate
 
-    text = (ROOT / "configs" / "default.yaml").read_text()
+    text = (ROOT / "configs" / "default.yaml").read_text(encoding="utf-8")
     said = re.search(r"working set of ([\d,]+) blocks, ([\d.]+)x the GPU", text)
     assert said, "the comment on the working set is gone"
     cfg = kvdist.load_config(ROOT / "configs" / "default.yaml")
@@ -447,7 +447,7 @@ def test_compare_serves_the_trace_three_times_in_real_time(tmp_path):
     q = r["all_tiers_vs_gpu_only"]
     assert q["ttft_p50"] == tiers["latency"]["ttft_ms"]["p50"] / gpu["latency"]["ttft_ms"]["p50"]
     latest = tmp_path / "runs" / "latest"
-    saved = json.loads((latest / "results.json").read_text())
+    saved = json.loads((latest / "results.json").read_text(encoding="utf-8"))
     assert all(k in saved for k in REQUIRED_KEYS) and saved["request_rate"] == 200.0
     assert (latest / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -482,7 +482,7 @@ def _sim_imports() -> dict[str, set[str]]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = graph.setdefault(name, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
                 base = package
                 for _ in range(node.level - 1):

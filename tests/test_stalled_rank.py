@@ -32,7 +32,7 @@ def _mapped() -> set[str]:
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            lines = maps.read_text().splitlines()
+            lines = maps.read_text(encoding="utf-8").splitlines()
         except OSError:
             continue
         mapped |= {ln.split(None, 5)[-1].removesuffix(" (deleted)") for ln in lines if "/dev/shm/" in ln}

@@ -130,7 +130,7 @@ def _tree(name: str):
     import kvdist
 
     path = Path(kvdist.__file__).parent / f"{name}.py"
-    return ast.parse(path.read_text(), str(path))
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
 
 
 def _kvdist_imports(name: str) -> set[str]:

@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
             port = s.getsockname()[1]
         endpoint = f"tcp://127.0.0.1:{port}"
         sub = subprocess.Popen([sys.executable, "-c", _SUBSCRIBER, endpoint], stdout=subprocess.PIPE,
-                               text=True)
+                               text=True, encoding="utf-8")
         sub.stdout.readline()
     modes = (OFF, RECORD, PROC_READ, PROC_IDLE, PROC, THREAD_IDLE, THREAD, BUSY)
     runs: dict[str, list[tuple[float, float]]] = {e: [] for e in modes}

@@ -65,7 +65,7 @@ def rows(folder: Path) -> tuple[list[Row], list[str]]:
         if not path.exists():
             missing.append(name)
             continue
-        out.extend(read(json.loads(path.read_text())))
+        out.extend(read(json.loads(path.read_text(encoding="utf-8"))))
     return out, missing
 
 

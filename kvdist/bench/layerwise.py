@@ -166,6 +166,6 @@ def main(argv: list[str] | None = None) -> int:
                                    "host ms", "forward ms", "compute wait ms", "compute slowdown",
                                    "onboard GB/s"], colalign=("left", "left") + ("right",) * 8))
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "runs": results}, f, indent=1)
     return 0

@@ -106,7 +106,7 @@ def _kvdist_side(n: int, dev: torch.device | None, args) -> tuple[float, float |
 
 def _thp() -> str:
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="utf-8") as f:
             return f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         return "n/a"
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
     print("goal: kvdist >= 4x torch.empty(pin_memory=True), end to end "
           "(allocation + prefault + registration)")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"sizes": figures}, f, indent=1)
     return 0
 

@@ -340,7 +340,7 @@ def main(argv: list[str]) -> int:
                     print(f"{r['size']}: no shared rows: the holder's host tier is not in shared memory "
                           f"({r['shm_error']})")
             if args.json:
-                with open(args.json, "w") as f:
+                with open(args.json, "w", encoding="utf-8") as f:
                     json.dump(rows, f, indent=1)
         return 0
     finally:

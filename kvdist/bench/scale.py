@@ -55,7 +55,7 @@ def config(gpu_blocks: int, host_blocks: int) -> dict:
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="utf-8") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024

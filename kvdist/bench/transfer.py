@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
         spread = "; ".join(f"{k} {' / '.join(f'{x:.1f}' for x in r['rounds'][k])}" for k in keys)
         print(f"{r['block']} per round: {spread}")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
                        "blocks": args.blocks, "copy_path": path, "sizes": rows}, f, indent=1, default=str)
     print("(c)-(e): the cache's transfer engine (S2/S4/S5 bookkeeping, one step per repetition) fed "

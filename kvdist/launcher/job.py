@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..process import printable_anywhere
 from . import args as launch_args
 from .leftovers import remove_leftovers, shm_segments
 from .mpiexec import REPO, build_command, find_mpiexec, find_python, flavor, libmpi_of
@@ -204,6 +205,7 @@ def _more_descriptors() -> None:
 def main(argv: list[str] | None = None, checkout: Path | None = None) -> int:
     """kvdist-launch (see args.HELP); returns its exit status."""
     repo = checkout or REPO
+    printable_anywhere()
     try:
         a = launch_args.parse(sys.argv[1:] if argv is None else argv)
         python = find_python(a.python, repo)

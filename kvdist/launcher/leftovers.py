@@ -33,7 +33,7 @@ def mapped_segments(shm: Path, proc: Path) -> set[Path]:
     mapped, at = set(), f"{shm}/"
     for maps in proc.glob("[0-9]*/maps"):
         try:
-            lines = maps.read_text().splitlines()
+            lines = maps.read_text(encoding="utf-8").splitlines()
         except OSError:  # gone, or not ours (then neither are its segments)
             continue
         mapped |= {Path(ln[ln.index(at):].removesuffix(" (deleted)")) for ln in lines if at in ln}

@@ -49,7 +49,8 @@ def find_mpiexec(explicit: str | None, python: str, repo: Path = REPO) -> str | 
 def flavor(mpiexec: str) -> str:
     """``openmpi``, ``mpich`` (Hydra, also Intel MPI) or ``unknown``, from ``--version``."""
     try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20,
+            encoding="utf-8")
         text = (out.stdout + out.stderr).lower()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

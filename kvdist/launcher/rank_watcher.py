@@ -54,7 +54,7 @@ LEFTOVER_PREFIXES = ("mpich_shm_", "kvdist-")
 
 def _stat(pid: int) -> list[str]:
     """The fields of ``/proc/PID/stat`` after the command name (the state first)."""
-    with open(f"/proc/{pid}/stat") as f:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
         return f.read().rsplit(")", 1)[1].split()
 
 
@@ -95,7 +95,7 @@ def _started_at(pid: int) -> float:
     infinity where /proc cannot say (then nothing counts as new)."""
     try:
         ticks = int(_stat(pid)[19])  # field 22, starttime
-        with open("/proc/stat") as f:
+        with open("/proc/stat", encoding="utf-8") as f:
             boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0
     except (OSError, ValueError, IndexError, StopIteration):
@@ -109,7 +109,7 @@ def _mapped(shm: str, proc: str = "/proc") -> set[str]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"{proc}/{entry}/maps") as f:
+            with open(f"{proc}/{entry}/maps", encoding="utf-8") as f:
                 out |= {ln[ln.index(at):].rstrip("\n").removesuffix(" (deleted)") for ln in f if at in ln}
         except OSError:  # gone, or not ours (then neither are its files)
             continue

@@ -35,7 +35,7 @@ class HostLimits:
 def available_memory() -> int:
     """MemAvailable of /proc/meminfo in bytes (free physical pages as a fallback)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open("/proc/meminfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -47,7 +47,7 @@ def available_memory() -> int:
 def has_ipc_lock() -> bool:
     """Whether the process holds CAP_IPC_LOCK, which exempts it from RLIMIT_MEMLOCK."""
     try:
-        with open("/proc/self/status") as f:
+        with open("/proc/self/status", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("CapEff:"):
                     return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)

@@ -95,6 +95,11 @@ class Executor(Protocol):
         """Whether ``event``'s work has run (None: nothing to wait for)."""
         ...
 
+    def holds_host(self, event: Event | None) -> bool:
+        """Whether a copy queued now after ``event`` would make the host wait for it:
+        disk work still running (a CUDA stream cannot wait for a disk worker)."""
+        ...
+
     def poll(self, events: list[Event]) -> bool:
         """Whether all of ``events``' work has run, never blocking the host. A lazy
         executor (simulated streams) runs it now, unless something it needs is held:

@@ -431,6 +431,10 @@ class CudaExecutor:
         is none), e.g. before a remote fetch on that stream writes the slots they touch."""
         self._gpu_wait(stream, events, host_tier=True)
 
+    @staticmethod
+    def holds_host(event: Event | None) -> bool:
+        return isinstance(event, DiskOp) and event.gpu_event is None and not event.future.done()
+
     def is_done(self, event: Event | None) -> bool:
         if event is None:
             return True

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..blocks import GPU, SlotSpace
+from ..blocks import DISK, GPU, SlotSpace
 from .contract import Event, Executor
 from .routes import Route
 
@@ -416,6 +416,27 @@ class TransferEngine:
                     if (ev := self._events.get(bid)) is not None and not done(ev)]
             if busy:
                 out |= np.isin(lw, busy)
+        return out
+
+    def disk_pending(self, slots) -> np.ndarray:
+        """Per global slot: whether disk work still reads or writes it, so that a copy into
+        it queued now would make the host wait (``Executor.holds_host``): a host slot a
+        demotion is still writing to disk, or will once its open batch is submitted."""
+        keys = np.asarray(slots, dtype=np.int64)
+        out = np.zeros(len(keys), dtype=bool)
+        if len(keys) == 0:
+            return out
+        if self._by_token:  # open disk batches touching them
+            disk = [tok for tok, b in self._by_token.items() if DISK in (b.route.src, b.route.dst)]
+            if disk:
+                m = self._mark[keys]
+                out |= (m >= 0) & np.isin(m >> 1, disk)
+        held = self.executor.holds_host
+        for ids in (self._last_read[keys], self._last_write[keys]):
+            busy = [bid for bid in _distinct(ids).tolist()
+                    if (ev := self._events.get(bid)) is not None and held(ev)]
+            if busy:
+                out |= np.isin(ids, busy)
         return out
 
     @property

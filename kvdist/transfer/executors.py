@@ -154,6 +154,10 @@ class SyncExecutor:
         return True
 
     @staticmethod
+    def holds_host(event: Event | None) -> bool:
+        return False
+
+    @staticmethod
     def poll(events: list[Event]) -> bool:
         return True
 

@@ -227,6 +227,14 @@ class SimExecutor:
         event = _op(event)
         return event is None or event.done
 
+    def holds_host(self, event: SimOp | SimGroups | None) -> bool:
+        """Disk work that cannot run now (what the CUDA executor's host would wait for):
+        as ``poll``, asking runs it unless a stream it needs is held."""
+        op = _op(event)
+        if op is None or op.done or op.stream.name not in ("disk", "promote"):
+            return False
+        return not self.poll([op])
+
     def poll(self, events: list) -> bool:
         """Run ``events`` (and what they follow) now, unless a stream they need is held:
         then False, what could run having run."""

@@ -17,7 +17,9 @@
 #   5. the disk tier throttled to $THROTTLE bytes/s (host tier 4 GiB, so the trace hits the
 #      disk), all tiers vs GPU only: the onboard-or-recompute policy turns the slow disk down.
 # Knobs: STEPS="1 2 3 4 5", RATE (skip the measurement of step 3), CONFIGS (step 4's, e.g.
-# all-tiers,gpu-only: about 200 s instead of 305), THROTTLE (300MB),
+# all-tiers,gpu-only: about 200 s instead of 305), CAPACITY_CONFIGS (step 3's; must hold
+# gpu-only when RATE is not given; all-tiers,all-tiers-dropping,gpu-only measures
+# cache.disk.drop_behind), THROTTLE (300MB),
 # THROTTLE_REQUESTS (400). Logs and results files under $OUT.
 set -u
 if [ -d .whl ] && [ -z "${MPIEXEC:-}" ]; then source scripts/gpu/env.sh || exit 1; fi  # this workplace's carried wheels
@@ -78,7 +80,7 @@ if has 2; then
 fi
 if has 3 && [ -z "${RATE:-}" ]; then
     echo "== capacity: every request at once"
-    compare capacity --config $CONFIG --compare --configs all-tiers,all-tiers-serial,gpu-only --rate 1000
+    compare capacity --config $CONFIG --compare --configs ${CAPACITY_CONFIGS:-all-tiers,all-tiers-serial,gpu-only} --rate 1000
     RATE=$(python3 -c "import json; r = json.load(open('$O/capacity-results.json'))
 print(round(0.7 * r['runs']['gpu-only']['latency']['requests_per_s'], 1))")
     echo "rate for the comparison: 0.7 x GPU-only's capacity = $RATE requests/s"

@@ -113,7 +113,7 @@ def _bench_transfer(label: str, n: int, rounds: int) -> dict:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         transfer.main(["--sizes", label, "--blocks", str(n), "--rounds", str(rounds), "--json", f.name])
-        row = json.load(open(f.name))["sizes"][0]
+        row = json.load(open(f.name, encoding="utf-8"))["sizes"][0]
     return {k: row[k] for k in ("offload", "onboard", "both", "ceiling D2H", "ceiling H2D", "ceiling both")}
 
 
@@ -313,7 +313,7 @@ def main() -> int:
           "One load: a step alone on idle streams, ms until the compute stream passed layer 0's wait, the "
           "last layer's, and the host saw it done.")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "bench_transfer": bench}, f,
                       indent=1, default=str)
     return 0

@@ -86,7 +86,7 @@ def test_short_simulation_reuses_every_tier_with_zero_mismatches(tmp_path_factor
     assert r["bytes_offloaded"] % world.size == 0  # every rank moved the same blocks
     assert world.allgather(json.dumps(r, sort_keys=True)) == [json.dumps(r, sort_keys=True)] * world.size
     if world.rank == 0:
-        saved = json.loads((base / "runs" / "latest" / "results.json").read_text())
+        saved = json.loads((base / "runs" / "latest" / "results.json").read_text(encoding="utf-8"))
         assert all(k in saved for k in REQUIRED_KEYS)
         assert saved["reused_tokens"] == r["reused_tokens"] and saved["world_size"] == world.size
     world.Barrier()

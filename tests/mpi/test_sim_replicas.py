@@ -82,7 +82,7 @@ def test_sharing_replicas_reuse_what_isolated_ones_recompute(tmp_path_factory, m
     assert i["logits_checked"] > 3 and i["logits_failed"] == 0 and i["consistency_error"] is None
     assert world.allgather(json.dumps(r, sort_keys=True)) == [json.dumps(r, sort_keys=True)] * world.size
     if world.rank == 0:
-        saved = json.loads((base / "runs" / "latest" / "results.json").read_text())
+        saved = json.loads((base / "runs" / "latest" / "results.json").read_text(encoding="utf-8"))
         assert all(k in saved for k in REQUIRED_KEYS)
         assert saved["gap"] == r["gap"]
         assert saved["runs"]["sharing"]["replicas"][1] == share["replicas"][1]
@@ -131,7 +131,7 @@ def test_replicas_in_time_compare_every_configuration(tmp_path_factory):
     assert r["integrity_mismatches"] == 0 and r["integrity"]["consistency_error"] is None
     assert world.allgather(json.dumps(r, sort_keys=True)) == [json.dumps(r, sort_keys=True)] * world.size
     if world.rank == 0:
-        saved = json.loads((base / "runs" / "latest" / "results.json").read_text())
+        saved = json.loads((base / "runs" / "latest" / "results.json").read_text(encoding="utf-8"))
         assert all(k in saved for k in REQUIRED_KEYS) and saved["gap"] == r["gap"]
 
 

@@ -43,7 +43,7 @@ def main_job(bed: TwoNodes, flavor: str, two_nodes: bool, requests: int) -> dict
                       str(out_dir), "--quiet", two_nodes=two_nodes, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"main job ({flavor}): {out.stderr[-2000:]}")
-    r = json.loads((out_dir / "latest" / "results.json").read_text())
+    r = json.loads((out_dir / "latest" / "results.json").read_text(encoding="utf-8"))
     assert r["ok"] and r["nodes"] == (2 if two_nodes else 1), r
     return {"step_ms": 1e3 * r["seconds"] / r["steps"], "model_ms": r["model_ms_per_step"],
             "cache_us": r["cache_api_us_per_step"], "steps": r["steps"]}

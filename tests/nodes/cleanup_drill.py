@@ -20,7 +20,7 @@ def sleeping(bed) -> bool:
     """Whether the sleep runs in node b (node-ssh's set-up processes come and go)."""
     for pid in testbed.pids_in(bed.nodes[1].name):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
+            if Path(f"/proc/{pid}/comm").read_text(encoding="utf-8").strip() == "sleep":
                 return True
     return False
 
@@ -39,7 +39,7 @@ def report(bed) -> None:
     path = Path(os.environ["KVDIST_DRILL_REPORT"])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"tag": bed.tag, "leftovers": testbed.leftovers(bed.tag),
-                               "pids": testbed.pids_in(bed.nodes[1].name)}))
+                               "pids": testbed.pids_in(bed.nodes[1].name)}), encoding="utf-8")
     tmp.replace(path)
 
 

@@ -37,15 +37,15 @@ def start(bed: TwoNodes, flavor: str, *argv: str, env: dict | None = None,
     piped (text), in a session of its own (``testbed.kill_session`` ends it whole)."""
     return bed.popen(bed.nodes[0], command(bed, *argv, timeout=timeout),
                      env={"MPIEXEC": str(MPIEXEC[flavor]), **(env or {})}, cwd=ROOT,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8")
 
 
 def job_config(bed: TwoNodes, **workload) -> Path:
     """configs/default.yaml with the disk tier on the nodes' scratch directory (each node
     its own) and ``workload`` overrides; written where every node sees it."""
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8"))
     cfg["cache"]["disk"]["path"] = str(bed.scratch)
     cfg["workload"].update(workload)
     path = bed.root / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path

@@ -85,7 +85,7 @@ def test_ranks_run_on_two_hosts(world, hosts):
     assert dist_comm.node_info(world) == dist_comm.NodeInfo(r % 2, 2, node_of(r), 2)
     mine = {"shm": f"/dev/shm/kvdist-bed-{r}", "scratch": os.path.join(SCRATCH, f"kvdist-bed-{r}")}
     for path in mine.values():
-        open(path, "w").close()
+        open(path, "w", encoding="utf-8").close()
     world.Barrier()
     try:
         for where in mine:
@@ -101,7 +101,7 @@ def test_ranks_run_on_two_hosts(world, hosts):
 def veth_bytes() -> int:
     """Bytes sent and received on this node's end of the bed's veth pair (named after the node)."""
     stats = f"/sys/class/net/{socket.gethostname()}/statistics"
-    return sum(int(open(f"{stats}/{d}_bytes").read()) for d in ("rx", "tx"))
+    return sum(int(open(f"{stats}/{d}_bytes", encoding="utf-8").read()) for d in ("rx", "tx"))
 
 
 def test_mpi_traffic_between_nodes_crosses_the_veth(world):
@@ -225,15 +225,16 @@ def test_main_job_tp4_across_two_nodes(world, hosts):
     hostfile put them, and no disk file is left on either node."""
     from kvdist.cli import main
 
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8"))
     cfg["cache"]["disk"]["path"] = SCRATCH
     cfg["workload"]["conversations"] = 16
     cfg["distributed"]["check_consistency_every"] = 10
     with tempfile.TemporaryDirectory(prefix="kvdist-job-") as mine:
-        (Path(mine) / "job.yaml").write_text(yaml.safe_dump(cfg))
+        (Path(mine) / "job.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
         out = Path(mine) / "runs"  # only rank 0 writes results
         code = main(["run", "--config", f"{mine}/job.yaml", "--requests", "24", "--out", str(out), "--quiet"])
-        results = json.loads((out / "latest" / "results.json").read_text()) if world.rank == 0 else None
+        latest = out / "latest" / "results.json"
+        results = json.loads(latest.read_text(encoding="utf-8")) if world.rank == 0 else None
     assert code == 0
     world.Barrier()
     assert gathered_listing(world, SCRATCH, "") == [[]] * 4
@@ -255,7 +256,7 @@ def test_replicas_fetch_remote_blocks_across_nodes(world):
     (a loaded CI machine) before it counts as a miss."""
     from kvdist.cli import main
 
-    cfg = yaml.safe_load((ROOT / "configs" / "replicas.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs" / "replicas.yaml").read_text(encoding="utf-8"))
     cfg["cache"]["gpu"]["blocks"] = 32
     cfg["cache"]["host"]["bytes"] = "8MiB"  # the run checks its memory against the bed's (32 MiB a rank)
     cfg["distributed"]["remote"]["fetch_timeout_ms"] = 1000
@@ -263,13 +264,14 @@ def test_replicas_fetch_remote_blocks_across_nodes(world):
                            system_prompt_tokens=256)  # prompts that overflow the 32 GPU blocks
     counting = bool(HOSTS)  # the bed's veth pair: its byte counters
     with tempfile.TemporaryDirectory(prefix="kvdist-job-") as mine:
-        (Path(mine) / "job.yaml").write_text(yaml.safe_dump(cfg))
+        (Path(mine) / "job.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
         out = Path(mine) / "runs"
         world.Barrier()
         before = veth_bytes() if counting else 0
         code = main(["run", "--config", f"{mine}/job.yaml", "--requests", "24", "--out", str(out), "--quiet"])
         moved = world.allgather(veth_bytes() - before if counting else 0)
-        results = json.loads((out / "latest" / "results.json").read_text()) if world.rank == 0 else None
+        latest = out / "latest" / "results.json"
+        results = json.loads(latest.read_text(encoding="utf-8")) if world.rank == 0 else None
     assert code == 0
     results = world.bcast(results)
     assert results["ok"] and (results["replicas"], results["tp_size"]) == (2, 2), results["ok"]

@@ -29,7 +29,7 @@ def child(report: Path, *select: str) -> subprocess.Popen:
     env = {**os.environ, "KVDIST_DRILL_REPORT": str(report)}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(DRILL),
                              "-k", " or ".join(select)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8")
 
 
 def wait_for(report: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dict:
@@ -38,13 +38,13 @@ def wait_for(report: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dic
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the drill never reported"
         time.sleep(0.05)
-    return json.loads(report.read_text())
+    return json.loads(report.read_text(encoding="utf-8"))
 
 
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for its new parent to reap it is not)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
 
@@ -63,7 +63,7 @@ def test_failed_and_timed_out_tests_leave_nothing(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "2 failed" in out, out
     assert "deliberate failure after a timeout" in out, out
-    assert_was_up_and_is_gone(json.loads(report.read_text()), proc.pid)
+    assert_was_up_and_is_gone(json.loads(report.read_text(encoding="utf-8")), proc.pid)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

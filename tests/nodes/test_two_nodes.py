@@ -54,7 +54,8 @@ def test_nodes_are_two_isolated_hosts(bed):
                               (node.name, "inet", f"{node.address}/30")]), addrs
         assert routes.split("\n")[0].split()[:3] == [str(net), "dev", node.name], routes
         assert [r for r in routes.splitlines()[1:] if r and not r.startswith("::1 ")] == [], routes
-    here = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    here = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True,
+        encoding="utf-8").stdout
     assert str(net.network_address)[:-1] not in here and bed.nodes[0].name not in here
 
 
@@ -71,7 +72,7 @@ def every_check_passes(bed: TwoNodes, flavor: str, ranks: Path) -> None:
     out = launch(bed, flavor, "--module", "pytest", "--", "-q", "--color=no", "-p", "no:cacheprovider",
                  "--with-mpi", str(ranks.relative_to(jobs.ROOT)))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    tests = len(re.findall(r"^def test_", ranks.read_text(), flags=re.MULTILINE))
+    tests = len(re.findall(r"^def test_", ranks.read_text(encoding="utf-8"), flags=re.MULTILINE))
     passed = re.findall(r"(\d+) passed(?:, \d+ warnings?)? in", out.stdout)  # a rank may warn
     assert passed == [str(tests)] * 4, out.stdout[-3000:]
     assert scratch_left(bed) == {n.name: [] for n in bed.nodes}

@@ -56,7 +56,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
         if check:
             raise BedUnavailable("no ip (iproute2)")
         return subprocess.CompletedProcess(["ip", *args], 127, "", "")
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, encoding="utf-8")
     if check and out.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
     return out
@@ -75,7 +75,8 @@ def unavailable() -> str | None:
     probe = ("mount -t tmpfs tmpfs /dev/shm && umount -l /sys && mount -t sysfs sysfs /sys"
              " && echo probe > /proc/sys/kernel/hostname")
     out = subprocess.run(["unshare", "--net", "--uts", "--ipc", "--mount", "--propagation", "private",
-                          "--", "sh", "-c", probe], capture_output=True, text=True, timeout=30)
+                          "--", "sh", "-c", probe], capture_output=True, text=True, timeout=30,
+                              encoding="utf-8")
     if out.returncode != 0:
         why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
         return f"cannot create namespaces here: {why}"
@@ -95,7 +96,7 @@ def subnet(tag: int) -> tuple[str, str]:
 
 def meminfo_with(available: int) -> str:
     """This machine's /proc/meminfo with MemAvailable replaced (bytes, kB granularity)."""
-    with open("/proc/meminfo") as f:
+    with open("/proc/meminfo", encoding="utf-8") as f:
         text = f.read()
     return re.sub(r"^MemAvailable:\s+\d+ kB$", f"MemAvailable: {available // 1024:>8} kB", text,
                   flags=re.MULTILINE)
@@ -164,11 +165,14 @@ class TwoNodes:
         for key, node in zip("ab", self.nodes):
             node.scratch.mkdir(parents=True)
             if key in self.mem_available:
-                (node.dir / "meminfo").write_text(meminfo_with(self.mem_available[key]))
+                (node.dir / "meminfo").write_text(meminfo_with(self.mem_available[key]), encoding="utf-8")
         (root / "hosts").write_text("127.0.0.1 localhost\n"
-                                    + "".join(f"{n.address} {n.name}\n" for n in self.nodes))
-        self.hostfile.write_text("".join(f"{n.name}\n" for n in self.nodes))
-        self.ssh.write_text(f'#!/bin/sh\nexec {shlex.quote(str(NODE_SSH))} {shlex.quote(str(root))} "$@"\n')
+                                    + "".join(f"{n.address} {n.name}\n" for n in self.nodes),
+                                    encoding="utf-8")
+        self.hostfile.write_text("".join(f"{n.name}\n" for n in self.nodes),
+            encoding="utf-8")
+        self.ssh.write_text(f'#!/bin/sh\nexec {shlex.quote(str(NODE_SSH))} {shlex.quote(str(root))} "$@"\n',
+                             encoding="utf-8")
         self.ssh.chmod(0o755)
         for node in self.nodes:
             try:
@@ -228,7 +232,7 @@ class TwoNodes:
             timeout: float = 120.0, cwd: Path | None = None) -> subprocess.CompletedProcess:
         """``argv`` on ``node`` (in ``cwd``): its output, or TimeoutExpired after killing it."""
         proc = self.popen(node, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=cwd)
+                          cwd=cwd, encoding="utf-8")
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

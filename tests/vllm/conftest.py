@@ -42,7 +42,7 @@ def engine(model, tmp_path):
         if disk_keys:
             lines[-1] = lines[-1][:-1] + "".join(f", {k[5:]}: {v}" for k, v in disk_keys.items()) + "}"
         lines += [f"  {k}: {v}" for k, v in cache.items()]
-        (tmp_path / "kvdist.yaml").write_text("\n".join(lines) + "\n")
+        (tmp_path / "kvdist.yaml").write_text("\n".join(lines) + "\n", encoding="utf-8")
         extra = {} if load_async is None else {"load_async": load_async}
         e = Engine(vllm_config(model, tmp_path / "kvdist.yaml", num_blocks, **extra), num_blocks,
                    layout or KVCacheLayout.LBNHC, tp)

@@ -73,7 +73,7 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 def model_config(tmp: Path) -> ModelConfig:
     """vLLM's ModelConfig of the tiny model: a config.json, no weights, no tokenizer."""
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (tmp / "config.json").write_text(json.dumps(TINY_LLAMA), encoding="utf-8")
     return ModelConfig(model=str(tmp), skip_tokenizer_init=True, dtype="float16", seed=0)
 
 

@@ -46,7 +46,8 @@ def main(out: Path, launcher: str) -> None:
         run(out, rank, tp, int(os.environ["LOCAL_RANK"]), got)
     except Exception as exc:  # noqa: BLE001 - the test reads it
         got["error"] = f"{type(exc).__name__}: {exc}"
-    (out / f"rank{got.get('rank', os.environ.get('RANK', 'x'))}.json").write_text(json.dumps(got))
+    (out / f"rank{got.get('rank', os.environ.get('RANK', 'x'))}.json").write_text(json.dumps(got),
+        encoding="utf-8")
 
 
 def run(out: Path, rank: int, tp: int, local_rank: int, got: dict) -> None:
@@ -62,7 +63,7 @@ def run(out: Path, rank: int, tp: int, local_rank: int, got: dict) -> None:
     tmp = out / f"rank{rank}"
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "kvdist.yaml").write_text("cache:\n  device: cpu\n  host: {bytes: 64KiB}\n"
-                                     "  recompute_when_faster: false\n")
+                                     "  recompute_when_faster: false\n", encoding="utf-8")
     parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
     config = vllm_config(model_config(tmp / "model"), tmp / "kvdist.yaml", NUM_BLOCKS, parallel)
     got["executor"] = Executor.get_class(config).__name__

@@ -27,7 +27,7 @@ CMD = [sys.executable, "-m", "tests.vllm.launcher_ranks"]
 
 
 def _read(tmp_path: Path) -> list[dict]:
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
 
 
 def under_mpiexec(tmp_path: Path, faults: str = "") -> list[dict]:
@@ -35,7 +35,8 @@ def under_mpiexec(tmp_path: Path, faults: str = "") -> list[dict]:
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", *CMD, str(tmp_path), "mpiexec"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360,
+        encoding="utf-8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _read(tmp_path)
 
@@ -68,7 +69,8 @@ def test_under_torchrun_alone_each_workers_kvdist_is_alone_and_the_start_stops_i
     env |= {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "KVDIST_FAULTS": ""}
     procs = [subprocess.Popen([*CMD, str(tmp_path), "torchrun"], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              encoding="utf-8") for r in range(2)]
     for p in procs:
         p.communicate(timeout=300)
     for g in _read(tmp_path):

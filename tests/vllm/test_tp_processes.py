@@ -27,9 +27,10 @@ def run_ranks(tmp_path: Path, tiers: str, faults: str) -> list[dict]:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = {**os.environ, "KVDIST_FAULTS": faults, "MPIEXEC_TIMEOUT": "300"}
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "tests.vllm.tp_ranks", str(tmp_path), tiers]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360,
+        encoding="utf-8")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
 
 
 def test_a_rank_without_its_host_tier_makes_every_rank_and_the_planner_drop_it(tmp_path):

@@ -292,7 +292,8 @@ def test_shutdown_finishes_the_copies_and_frees_kvdist(engine):
 
 
 def test_config_mistakes_name_the_key(model, tmp_path):
-    (tmp_path / "k.yaml").write_text("model: {num_layers: 7}\ncache: {host: {bytes: 64KiB}}\n")
+    (tmp_path / "k.yaml").write_text("model: {num_layers: 7}\ncache: {host: {bytes: 64KiB}}\n",
+        encoding="utf-8")
     with pytest.raises(ConfigError, match=r"'model.num_layers': vLLM runs with 2: leave it out \(got 7\)"):
         Engine(vllm_config(model, tmp_path / "k.yaml", NUM_BLOCKS), NUM_BLOCKS)
     with pytest.raises(ConfigError, match=r"'kv_connector_extra_config.load_async': must be true or false"):

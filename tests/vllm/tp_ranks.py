@@ -42,7 +42,7 @@ def main(out: Path, tiers: str) -> None:
     if "disk" in tiers:
         lines.append(f"  disk: {{path: {out / 'disk'}, bytes: 64KiB}}")  # one directory, a file per rank
     (tmp).mkdir(parents=True, exist_ok=True)
-    (tmp / "kvdist.yaml").write_text("\n".join(lines) + "\n")
+    (tmp / "kvdist.yaml").write_text("\n".join(lines) + "\n", encoding="utf-8")
     got: dict = {"rank": rank}
     try:
         model = model_config(tmp / "model")
@@ -70,7 +70,7 @@ def main(out: Path, tiers: str) -> None:
         e.close()
     except Exception as exc:  # noqa: BLE001 - the test reads it
         got["error"] = f"{type(exc).__name__}: {exc}"
-    (out / f"rank{rank}.json").write_text(json.dumps(got))
+    (out / f"rank{rank}.json").write_text(json.dumps(got), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def kvdist_config(path: str | os.PathLike | None, layout: KVLayout) -> CacheConf
     if path is None:
         raise ConfigError(_KEY, None, "give the kvdist config file (its host and disk tiers)")
     try:
-        data = yaml.safe_load(open(path).read()) or {}
+        data = yaml.safe_load(open(path, encoding="utf-8").read()) or {}
     except OSError as e:
         raise ConfigError(_KEY, str(path), f"cannot read the config file: {e.strerror}") from None
     except yaml.YAMLError as e:

@@ -35,6 +35,12 @@ CONFIGS: dict[str, dict] = {
     # The serial loop for comparison: run next to all-tiers where that runs ahead.
     "all-tiers-serial": {"workload": {"run_ahead": False}},
     "gpu+host": {"cache": {"disk": {"bytes": 0}}},  # not compared by default: isolates the disk tier
+    # Not compared by default either, each all-tiers with one default changed: offloads
+    # drop host blocks behind the disk instead of waiting for disk writes
+    # (cache.disk.drop_behind); a request whose prefix is on disk waits for its prefetched
+    # reads before admission (workload.wait_for_disk_reads) instead of its step waiting.
+    "all-tiers-dropping": {"cache": {"disk": {"drop_behind": True}}},
+    "all-tiers-gated": {"workload": {"wait_for_disk_reads": True}},
     "gpu-only": {"cache": _COLD_OFF},
     "no-reuse": {"cache": {**_COLD_OFF, "enable_reuse": False}},
 }

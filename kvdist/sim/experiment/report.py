@@ -143,7 +143,7 @@ def write_results(run_dir: Path, results: dict) -> Path:
     missing = [k for k in REQUIRED_KEYS if k not in results]
     assert not missing, f"results lack {missing}"
     path = run_dir / "results.json"
-    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return path
 
 

@@ -83,7 +83,8 @@ class JobReporter:
         def extras(run_dir) -> list[str]:
             import json
 
-            (run_dir / "timeline.json").write_text(json.dumps(self.timeline.to_json()) + "\n")
+            (run_dir / "timeline.json").write_text(json.dumps(self.timeline.to_json()) + "\n",
+                encoding="utf-8")
             try:
                 return ["timeline.json"] + [p.name for p in write_plots(run_dir, self.timeline,
                                                                         results["block_bytes"], self.tp.size)]
