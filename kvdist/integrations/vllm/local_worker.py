@@ -9,7 +9,7 @@ it when it adopts the workers' tiers (``SchedulerSide.adopt``)."""
 
 from __future__ import annotations
 
-__all__ = ["offer", "take"]
+__all__ = ["offer", "take", "withdraw"]
 
 from ...external.peers import PeerTier
 
@@ -24,3 +24,10 @@ def offer(peers: PeerTier | None) -> None:
 def take() -> tuple[bool, PeerTier | None]:
     """(whether a worker of this process registered, its remote tier)."""
     return (True, _offered[0]) if _offered else (False, None)
+
+
+def withdraw(peers: PeerTier | None) -> None:
+    """This process's worker shut down: a scheduler built later in this process (a new
+    engine) finds no worker beside it until the next one registers."""
+    if _offered and _offered[0] is peers:
+        _offered.clear()

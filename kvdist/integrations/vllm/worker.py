@@ -167,4 +167,5 @@ class WorkerSide:
         kvdist's tiers."""
         if self._cache is not None:
             cache, self._cache = self._cache, None
+            local_worker.withdraw(cache.peers)
             cache.close()
