@@ -6,9 +6,13 @@ it into other engine block ids, and its bytes equal A's exactly (its own TP shar
 from A's rank of the same TP index). A block A overwrote after the directory listed it
 is a load error on every rank of B (R2), the others exact; a fetch that failed on
 one TP rank of B fails on all (R1). Both transports: a copy out of a node peer's shared
-host tier ("auto") and MPI messages ("messages"). Needs two replicas: skipped alone."""
+host tier ("auto") and MPI messages ("messages"). Needs two replicas: skipped alone.
+``KVDIST_TEST_DEVICE=cuda`` puts the engine's tensors on the GPU (the CUDA executor, the
+landing rows copied to the device)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ A, B = 0, 1
 SAVED_TO = [2, 4, 6, 8]  # A's engine blocks holding the prompt
 LOADED_TO = [1, 3, 5, 7]  # B's engine blocks vLLM allocated for it
 STEPS = 2000
+DEVICE = os.environ.get("KVDIST_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture
@@ -49,8 +54,8 @@ class Rank:
         cfg = config(host_blocks=host_blocks)
         cfg["distributed"] = {"tp_size": self.tp, "remote": {"enabled": True, "transport": transport,
                                                              "directory_every_steps": 1}}
-        self.worker = create(cfg, comm=world)
-        self.kv = vllm_kv(10, seed=world.rank)  # each rank its own heads' bytes
+        self.worker = create(cfg, comm=world, device=DEVICE)
+        self.kv = vllm_kv(10, seed=world.rank, device=DEVICE)  # each rank its own heads' bytes
         self.worker.register(self.kv)
         assert self.worker.peers is not None
         self.planner = ExternalPlanner(cfg, self.worker.tier_plan, peers=self.worker.peers)
@@ -83,10 +88,15 @@ def _min():
     return MPI.MIN
 
 
+def _snapshot(kv) -> list[list[torch.Tensor]]:
+    return [[b.cpu() for b in layer] for layer in snapshot(kv)]
+
+
 def _saved_bytes(r: Rank) -> list[list[torch.Tensor]]:
     """On every rank: A's bytes of the prompt's blocks on the rank of A with this rank's
     TP index (``[block][layer]``)."""
-    mine = [[snapshot(r.kv)[layer][b] for layer in range(L)] for b in SAVED_TO]
+    now = _snapshot(r.kv)
+    mine = [[now[layer][b] for layer in range(L)] for b in SAVED_TO]
     everyone = r.world.allgather(mine if r.replica == A else None)
     return everyone[A * r.tp + r.tp_rank]
 
@@ -110,7 +120,7 @@ def test_a_prefix_another_replica_saved_loads_into_other_engine_blocks(world, tr
             assert plan.blocks == tuple(LOADED_TO) and plan.failed == () and plan.tokens == 4 * T
         r.until(lambda: r.replica != B or "b" in r.loaded)
         if r.replica == B:
-            got = snapshot(r.kv)
+            got = _snapshot(r.kv)
             wrong = [f"block {e} layer {layer}" for e, w in zip(LOADED_TO, want) for layer in range(L)
                      if not torch.equal(got[layer][e], w[layer])]
             assert wrong == [] and r.failed == set()
@@ -144,7 +154,7 @@ def test_a_block_the_holder_overwrote_after_the_directory_listed_it_is_a_load_er
         r.until(lambda: r.replica != B or "b" in r.loaded)
         if r.replica == B:
             assert r.failed == {LOADED_TO[3]}  # every TP rank: recompute that block
-            got = snapshot(r.kv)
+            got = _snapshot(r.kv)
             wrong = [f"block {e} layer {layer}" for e, w in zip(LOADED_TO[:3], want) for layer in range(L)
                      if not torch.equal(got[layer][e], w[layer])]
             assert wrong == []
@@ -186,7 +196,7 @@ def test_blocks_beyond_the_landing_area_are_load_errors_and_the_rest_exact(world
         r.until(lambda: r.replica != B or {"b", "c"} <= r.loaded)
         if r.replica == B:
             assert r.failed == {0, 2, 4, 6}
-            got = snapshot(r.kv)
+            got = _snapshot(r.kv)
             wrong = [f"block {e} layer {layer}" for e, w in zip(LOADED_TO, want) for layer in range(L)
                      if not torch.equal(got[layer][e], w[layer])]
             assert wrong == []
