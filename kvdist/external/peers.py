@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..blocks import HOST
-from ..distributed.directory import Directory
+from ..distributed.directory import Directory, encode
 from ..distributed.directory_channel import DirectoryChannel
 from ..distributed.host_changes import HostChanges
 from ..distributed.message_server import MessageServer
@@ -225,13 +225,29 @@ class PeerTier:
         self._decided.append(Fetched(job.request_id, rows[landed], blocks[good], failed))
         self.counters["blocks_landed"] += int(good.sum())
         self.counters["blocks_failed"] += int((~good).sum())
-        at = 0
+        at, forget = 0, []
         for b in job.batches:
             b.decided[:] = True
-            b.released |= landed[at:at + len(b)]
+            ok = landed[at:at + len(b)]
+            b.released |= ok
             at += len(b)
+            if not ok.all():
+                forget.append((b.peer, b.peer_slots[~ok]))
+        self._forget(forget)
         self._draining.extend(b for b in job.batches if not b.released.all())
         self._drained()
+
+    def _forget(self, entries: list[tuple[int, np.ndarray]]) -> None:
+        """Drop the directory's entries of blocks the group just gave up (stale, late or
+        failed): the planners stop offering them until the holder lists its slot again.
+        Every TP rank drops the same ones at the same boundary (the verdict is agreed),
+        so their directories stay equal (R4)."""
+        def none(n: int) -> np.ndarray:
+            return np.zeros(n, dtype=np.uint64)
+
+        if entries:
+            self.directory.apply([(peer, encode(slots, none(len(slots)), none(len(slots)), none(len(slots))))
+                                  for peer, slots in entries])
 
     def _drained(self) -> None:
         """Free the landing rows of given-up blocks that nothing can still write (a

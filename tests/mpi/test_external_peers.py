@@ -164,7 +164,8 @@ def test_a_block_the_holder_overwrote_after_the_directory_listed_it_is_a_load_er
 
 def test_a_fetch_one_tp_rank_failed_fails_on_every_tp_rank(world, monkeypatch):
     """Fault drill remote_fetch on B's last TP rank: every fetch of that rank fails;
-    the replica's other ranks had the blocks whole and report them failed too (R1)."""
+    the replica's other ranks had the blocks whole and report them failed too (R1), and
+    every rank's directory forgets the blocks given up (the planners stop offering them)."""
     tp = _tp(world)
     if tp < 2:
         pytest.skip("needs TP 2")
@@ -178,6 +179,7 @@ def test_a_fetch_one_tp_rank_failed_fails_on_every_tp_rank(world, monkeypatch):
         r.until(lambda: r.replica != B or "b" in r.loaded)
         if r.replica == B:
             assert r.failed == set(LOADED_TO)
+            assert r.planner.lookup(PROMPT) == 0  # given up: no longer offered (until A lists it again)
     finally:
         r.close()
 
