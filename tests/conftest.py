@@ -17,6 +17,29 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report):
+    """A failure's test and last line, printed when it happens, not only in the summary
+    at the end: a CI whose log is cut or whose run is stopped still shows what failed."""
+    if not report.failed or _config is None:
+        return
+    reporter = _config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    lines = [ln for ln in str(report.longreprtext).splitlines() if ln.strip()]
+    errors = [ln[1:].strip() for ln in lines if ln.startswith("E ")][:2]
+    where = lines[-1].strip() if lines else ""
+    reporter.write_line(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): "
+                        f"{' / '.join(errors)[:400]} [{where[:200]}]")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: skipped without it (``make gpu-test`` runs them,
     and fails on a machine without CUDA instead)."""

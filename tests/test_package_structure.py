@@ -22,6 +22,14 @@ ALLOWED_PRIVATE_READS = {
 }
 
 
+def _parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree; a file that cannot be read or parsed fails naming itself."""
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, ValueError, SyntaxError) as e:
+        raise AssertionError(f"{path}: cannot be read as Python: {e!r}") from None
+
+
 def _modules(root: Path) -> dict[str, Path]:
     out = {}
     for p in root.rglob("*.py"):
@@ -40,7 +48,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_parse(path)):
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[:len(package.split(".")) - node.level + 1]
@@ -77,7 +85,7 @@ def circles(graph: dict[str, set[str]]) -> list[str]:
 def private_reads(path: Path) -> set[str]:
     """``obj._name`` (not on self or cls, not dunder) and ``from x import _name`` in a file."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_parse(path)):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
                 and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             out.add(ast.unparse(node))
@@ -133,7 +141,7 @@ def unnamed_encodings(path: Path) -> list[int]:
     (``text=True``) that do not name their encoding: they read and write in the
     locale's, which on CI is ASCII (``open`` is checked by ruff's PLW1514 in make lint)."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_parse(path)):
         if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
             continue
         name = node.func.attr if isinstance(node.func, ast.Attribute) else ""
