@@ -411,9 +411,6 @@ def _check_external(cfg: CacheConfig) -> None:
     if c.host.bytes == 0 and not (c.disk.bytes and c.disk.path):
         raise ConfigError("cache.gpu", "external", "needs a host or disk tier (cache.host.bytes or "
                           "cache.disk.bytes with cache.disk.path) for kvdist to keep")
-    if cfg.distributed.remote.enabled:
-        raise ConfigError("distributed.remote.enabled", True, "the remote tier is not built for "
-                          "cache.gpu: external yet")
     if c.events.enabled:
         raise ConfigError("cache.events.enabled", True, "kvdist publishes no KV cache events with "
                           "cache.gpu: external yet (the engine publishes its own)")

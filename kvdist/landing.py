@@ -1,4 +1,4 @@
-"""The remote tier's handle on one rank's manager (``kvdist.distributed.remote.LocalSlots``):
+"""The remote tier's handle on one rank's manager (``kvdist.distributed.remote_plan.LocalSlots``):
 the prompt's block hashes as ``add_sequence`` computes them, the local prefix, and
 *landing slots* — free slots of a tier reserved (state LANDING) for blocks fetched
 from another replica, which become ordinary cached blocks once the replica's ranks

@@ -222,8 +222,10 @@ def test_mistakes_are_one_line_errors_naming_the_key(pair, tmp_path):
         kvdist.load_config({**config(), "cache": {**config()["cache"], "host": {"bytes": 0}}})
     with pytest.raises(ConfigError, match=r"'cache.gpu'.*or external \(got 'externl'\)"):
         kvdist.load_config({**config(), "cache": {**config()["cache"], "gpu": "externl"}})
-    with pytest.raises(ConfigError, match=r"distributed.remote.enabled"):
-        kvdist.load_config({**config(), "distributed": {"remote": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"distributed.remote.enabled.*needs a host tier"):
+        kvdist.load_config({**config(), "cache": {**config()["cache"], "host": {"bytes": 0},
+                                                  "disk": {"path": str(tmp_path), "bytes": "1MiB"}},
+                            "distributed": {"remote": {"enabled": True}}})
     with pytest.raises(ConfigError, match=r"cache.events.enabled.*no KV cache events"):
         kvdist.load_config({**config(), "cache": {**config()["cache"], "events": {"enabled": True}}})
     with pytest.raises(ConfigError, match=r"kvdist.external.create"):

@@ -68,6 +68,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--admit", type=int, default=2, help="--upkeep: prompts admitted a step (default 2)")
     p.add_argument("--decode", type=int, default=4,
                    help="--upkeep: steps each sequence decodes (default 4; a batch of about admit x decode)")
+    p.add_argument("--at-scale", default=None, metavar="R,T,N",
+                   help="print the directory's memory and messages a step on paper for R replicas "
+                        "x TP T over N nodes (e.g. 64,8,8; no ranks needed)")
+    p.add_argument("--host-slots", type=int, default=None,
+                   help="--at-scale: host-tier slots a rank (default: configs/h200.yaml's 12,288)")
+    p.add_argument("--changes", type=int, default=None,
+                   help="--at-scale: host-slot changes a step a rank (default 44, as in --upkeep)")
     p.add_argument("--every", type=int, default=None,
                    help="--upkeep: directory messages every this many steps (default: the config's)")
     return p.parse_args(argv)
@@ -312,6 +319,8 @@ def _report(rows: list[dict], header: str) -> str:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
+    if args.at_scale:
+        return _at_scale(args)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()
@@ -345,3 +354,19 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         comm.Free()
+
+
+def _at_scale(args: argparse.Namespace) -> int:
+    from .remote_scale import Deployment, report
+
+    try:
+        replicas, tp, nodes = (int(x) for x in args.at_scale.split(","))
+        if min(replicas, tp, nodes) < 1 or replicas % nodes:
+            raise ValueError
+    except ValueError:
+        print(f"--at-scale {args.at_scale}: expected R,T,N, positive, with R a multiple of N")
+        return 2
+    given = {k: v for k, v in (("host_slots", args.host_slots), ("changes", args.changes),
+                                ("every", args.every)) if v is not None}
+    print(report(Deployment(replicas, tp, nodes, **given)))
+    return 0

@@ -142,7 +142,7 @@ def run_upkeep(args, comm) -> int:
     every = args.every or _default_every()
     print(f"bench remote --upkeep: {world} ranks = {world // tp} replicas x TP {tp}, {args.steps} steps "
           f"of {args.admit} admissions (each decoded {args.decode} steps), directory messages every "
-          f"{every} steps; medians over {args.rounds} rounds of the median over ranks, per step (µs)")
+          f"{every} steps; medians over {args.rounds} rounds of the median over ranks, per step (us)")
     print(tabulate(table, headers=["run", "API CPU", "boundaries CPU", "admissions CPU", "rest CPU",
                                    "agreement wall", "reused", "remote tokens", "dir. msgs/step",
                                    "dir. bytes/step", "records applied/step", "dir. blocks", "dir. bytes",

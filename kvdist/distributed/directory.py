@@ -43,6 +43,15 @@ EMPTY, SPILLED = -1, -2
 WAYS = 16  # entries per bucket: a lookup reads one bucket (a spill list after it, rarely)
 
 
+def table_buckets(capacity: int) -> int:
+    """Buckets of a ``HolderTable`` for ``capacity`` entries: a power of two, at most
+    half full on average."""
+    buckets = 1
+    while buckets * WAYS < 2 * capacity:
+        buckets *= 2
+    return buckets
+
+
 class HolderTable:
     """Buckets of ``WAYS`` entries (int32 mirror entries, EMPTY where none), a bucket
     per ``lo[g] & mask``, at most half full on average; the rare entry whose bucket is
@@ -54,9 +63,7 @@ class HolderTable:
     fetcher's own path)."""
 
     def __init__(self, capacity: int, hi: np.ndarray, lo: np.ndarray):
-        buckets = 1
-        while buckets * WAYS < 2 * capacity:
-            buckets *= 2
+        buckets = table_buckets(capacity)
         self.table = np.full((buckets, WAYS), EMPTY, dtype=np.int32)
         self.flat = self.table.reshape(-1)
         self._t = memoryview(self.flat)
@@ -181,6 +188,14 @@ class Directory:
         t = self.table
         return self.hi.nbytes + self.lo.nbytes + self.held.nbytes + t.table.nbytes + t.at.nbytes
 
+    @staticmethod
+    def sized(mirrored: int, host_slots: int) -> int:
+        """``nbytes`` of a directory mirroring ``mirrored`` peers of ``host_slots`` slots,
+        without building it (for figures at a scale no test runs)."""
+        n = mirrored * host_slots
+        entry = 2 * np.dtype(np.uint64).itemsize + np.dtype(bool).itemsize + np.dtype(np.int32).itemsize
+        return n * entry + table_buckets(max(n, 1)) * WAYS * np.dtype(np.int32).itemsize
+
     def __len__(self) -> int:
         """Blocks the peers hold (one per holder), as far as this rank's lookups see
         (the node directory's part counted entry by entry: for tests)."""
@@ -219,19 +234,28 @@ class Directory:
 
     def match(self, hashes: list[int]) -> list[int]:
         """Entries of the longest run of leading ``hashes`` some peer holds."""
-        table, node, n = self.table, self.node, self.host_slots
         out = []
         for h in hashes:
-            hi, lo = h >> 64, h & MASK64
-            g = node.find(hi, lo) if node is not None else EMPTY
+            g = self.find(h)
             if g < 0:
-                m = table.find(hi, lo) if table.live else EMPTY
-                if m < 0:
-                    break
-                i, slot = divmod(m, n)
-                g = self.mirrored[i] * n + slot
+                break
             out.append(g)
         return out
+
+    def find(self, h: int) -> int:
+        """The entry of a peer holding the block of hash ``h`` (a node peer's first),
+        EMPTY if none is listed."""
+        hi, lo = h >> 64, h & MASK64
+        node = self.node
+        g = node.find(hi, lo) if node is not None else EMPTY
+        if g >= 0:
+            return g
+        table = self.table
+        m = table.find(hi, lo) if table.live else EMPTY
+        if m < 0:
+            return EMPTY
+        i, slot = divmod(m, self.host_slots)
+        return self.mirrored[i] * self.host_slots + slot
 
     def holder(self, g: int) -> tuple[int, int]:
         """(peer replica, its host slot) of entry ``g``."""

@@ -46,7 +46,8 @@ from .message_server import MessageServer
 from .message_transport import MessageTransport
 from .node_directory import NodeDirectory, NodeShape
 from .peer_copy import make_copier
-from .remote import LocalSlots, RemoteTier, shm_dir
+from .remote import RemoteTier, shm_dir
+from .remote_plan import LocalSlots
 from .remote_rules import REMOTE_RULES, RemoteRules
 from .replicas import ReplicaComms, ReplicaLayout
 from .shared_transport import SharedTransport

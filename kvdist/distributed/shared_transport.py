@@ -52,8 +52,8 @@ class SharedTransport(Fetcher[PeerCopy]):
         """add_sequence's own fetch lands straight in the GPU tier (its blocks take the
         GPU slots the prompt needs anyway); a prefetch in the host tier (it must not
         hold GPU slots a step's sequences need), onboarded at admission like a host hit.
-        A prompt whose remote blocks all come from node peers is not prefetched at all
-        (``RemoteTier.near``): add_sequence's DMA costs what a host onboard does."""
+        A prefetch leaves out the blocks of node peers (``RemoteTier.near``):
+        add_sequence's DMA costs what a host onboard does."""
         return HOST if prefetch else GPU
 
     def _begin(self, batch: Batch, deps: list) -> PeerCopy:

@@ -19,6 +19,7 @@ from ..layout import KVLayout
 from ..seams import Seams
 from ..storage import DiskPool, HostPool
 from .cache import ExternalCache, ExternalTiers
+from .peers_setup import commit_peers, sharing
 from .planner import tier_plan
 
 __all__ = ["ExternalBuilder", "create"]
@@ -28,8 +29,10 @@ class ExternalBuilder:
     """This rank's side of the start-up protocol for kvdist's tiers beside an engine's
     GPU (``kvdist.distributed.consensus.Builder``)."""
 
-    def __init__(self, cfg: CacheConfig, rank: int, device: torch.device):
-        self.cfg, self.rank, self.device = cfg, rank, device
+    def __init__(self, cfg: CacheConfig, rank: int, device: torch.device, host_path: str | None = None):
+        """``host_path``: the shared-memory file of the host tier (peer replicas on this
+        node read it: ``peers_setup.sharing``), None for private memory."""
+        self.cfg, self.rank, self.device, self.host_path = cfg, rank, device, host_path
         self.layout = KVLayout.from_config(cfg)
 
     def plan(self) -> tuple[int, int, int]:
@@ -53,7 +56,8 @@ class ExternalBuilder:
                 h = self.cfg.cache.host
                 out.host = HostPool(self.layout, host_n, pin=self.device.type == "cuda", device=self.device,
                                     chunk_bytes=h.chunk_bytes, prefault_threads=h.prefault_threads,
-                                    check_memlock=h.check_memlock, huge_pages=h.huge_pages, rank=self.rank)
+                                    check_memlock=h.check_memlock, huge_pages=h.huge_pages, rank=self.rank,
+                                    shared_path=self.host_path if not fallback else None)
             if disk_n:
                 d = self.cfg.cache.disk
                 out.disk = DiskPool(self.layout, disk_n, d.path, self.rank, io_threads=d.io_threads,
@@ -76,12 +80,21 @@ def create(cfg: CacheConfig | dict | str, comm=None, device: torch.device | str 
                                                  "(kvdist.create builds kvdist's own GPU tier)")
     timing = InitTiming()
     c = dist_comm.resolve(comm, cfg.distributed.consensus_timeout_s)
+    share = None
     try:
         dev = torch.device(device) if device is not None else select_device(cfg.cache.device, c.local_rank)
-        done = establish(c, cfg, ExternalBuilder(cfg, c.rank, dev), timing)
+        share = sharing(c, cfg)
+        path = share.plan.host_path if share.plan is not None else None
+        done = establish(c, cfg, ExternalBuilder(cfg, c.rank, dev, path), timing)
+        rules = seams.remote_rules if seams is not None else None
+        peers = commit_peers(c, share, cfg, done.status, done.candidate.host, dev, rules)
     except BaseException:
+        if share is not None:
+            share.replicas.free()
         c.free()
         raise
     step = cfg.distributed.step_timeout_s
     c.run_time(None if step == "auto" else step)
-    return ExternalCache(cfg, done.candidate, c, dev, done, seams)
+    if share.replicas.tp is not c:
+        share.replicas.tp.run_time(None if step == "auto" else step)
+    return ExternalCache(cfg, done.candidate, c, dev, done, seams, replicas=share.replicas, peers=peers)

@@ -14,6 +14,10 @@ Per engine step (docs/design.md, "An engine-owned GPU tier"):
 * ``wait_layer(layer)``, before attention reads ``layer``: S5 for that layer's group.
 * ``save(transfers)``, once the forward pass is queued: copies out of the blocks it
   computed, after the compute stream's work so far (S4); nothing waits for them.
+* ``end_step()``, at the end of every step on every rank of the replica, with the
+  remote tier on (``peers``, ``kvdist.external.peers``): the TP group agrees on the
+  directory and on the fetches every rank resolved; the good blocks of a decided fetch
+  are copied into the engine's blocks, the others become ``failed_blocks`` (R1, R2).
 * ``finished()``: the requests whose loads or saves have completed since the last call;
   ``saving()`` those with saves still in flight; ``failed_blocks()``: engine block ids
   whose loads failed (the engine recomputes them); ``fence(requests)`` when the engine
@@ -36,9 +40,10 @@ import torch
 
 from .. import faults
 from ..backend import simulate_async
-from ..blocks import SlotSpace
+from ..blocks import HOST, SlotSpace
 from ..config import CacheConfig
 from ..distributed.consensus import Committed, InitStatus
+from ..distributed.replicas import ReplicaComms
 from ..errors import CacheClosedError, KVDistError
 from ..layout import KVLayout
 from ..manager import DEMOTE_BATCH_BYTES
@@ -48,6 +53,7 @@ from ..storage import DiskPool, HostPool
 from ..transfer import DEMOTE, RELOAD, SPILL, Executor, SimExecutor, SyncExecutor, TransferEngine
 from ..transfer.bounce import bounce_blocks
 from .copies import ExternalCopies
+from .peers import PeerTier
 from .plan import LOAD, SAVE, TierPlan, Transfers
 from .submit import SUBMIT_BYTES, submission
 from .tier import ExternalGpuTier
@@ -87,7 +93,8 @@ class ExternalCache:
     """One worker rank's tiers and copies (see the module docstring)."""
 
     def __init__(self, cfg: CacheConfig, tiers: ExternalTiers, comm, device: torch.device,
-                 init: Committed, seams: Seams | None = None):
+                 init: Committed, seams: Seams | None = None, replicas: ReplicaComms | None = None,
+                 peers: PeerTier | None = None):
         self.config = cfg
         self.layout = KVLayout.from_config(cfg)
         self.device = device
@@ -98,6 +105,10 @@ class ExternalCache:
         self.tiers: tuple[str, ...] = tuple(
             n for n, c in (("host", init.capacity[1]), ("disk", init.capacity[2])) if c)
         self._comm = comm
+        self._replicas = replicas  # the TP group (and cross-replica communicator) of distributed.tp_size
+        self._group = replicas.tp if replicas is not None else comm  # this replica's ranks
+        self.peers = peers  # the remote tier (None: off); the planner's PeerLookup
+        self._fetching: dict[Hashable, int] = {}  # request -> its fetches not decided yet
         self._parts = tiers
         self._seams = seams or Seams()
         self._gpu: ExternalGpuTier | None = None
@@ -145,6 +156,9 @@ class ExternalCache:
         self._engine = TransferEngine(space, executor, seams=seams.engine_seams(), block_id=lambda s: s,
                                       batch_limits=limits)
         self._gpu, self._executor = gpu, executor
+        if self.peers is not None:
+            host = space.base[HOST]
+            self.peers.watch(lambda local: self._engine.writes_pending(local + host))
 
     @property
     def num_engine_blocks(self) -> int:
@@ -186,6 +200,11 @@ class ExternalCache:
         src = transfers.src + np.array([base[r.src] for r in routes], dtype=np.int64)
         dst = transfers.dst + np.array([base[r.dst] for r in routes], dtype=np.int64)
         dropped = self._drill(transfers)
+        if self.peers is not None:
+            for slot, h in transfers.filled:  # R2: stamps odd before the copies into them are issued
+                self.peers.filled(slot, h)
+        else:
+            assert not transfers.fetches, "fetches from other replicas, but this rank has no remote tier"
         touched = np.concatenate((src[src < base[1]], dst[dst < base[1]]))
         assert (touched < gpu.num_blocks).all(), "an engine block id beyond the registered tensors"
         engine.compute_uses(touched)  # S4: copies of these blocks follow the compute stream so far
@@ -211,6 +230,12 @@ class ExternalCache:
             if jb.kind == LOAD:
                 self._failed.update(jb.failed)
                 loads.extend(events)
+        for f in transfers.fetches:  # blocks of other replicas: decided at a later end_step
+            if f.job in dropped:
+                continue
+            rid = transfers.jobs[f.job].request_id
+            self.peers.fetch(rid, f)
+            self._fetching[rid] = self._fetching.get(rid, 0) + 1
         return loads
 
     def _drill(self, transfers: Transfers) -> set[int]:
@@ -235,13 +260,51 @@ class ExternalCache:
         if self._executor.layered and "S5" in self._engine.rules:
             self._executor.wait_layer(layer)
 
+    def end_step(self) -> None:
+        """Every rank of the replica at the end of every engine step, with the remote
+        tier on (collective inside the TP group; nothing otherwise): the holder's host
+        tier published, the directory prefix and the fetches the group resolved agreed
+        (``PeerTier.end_step``); each decided fetch's good blocks copied into the
+        engine's blocks, the others failed (``failed_blocks``)."""
+        self._registered()
+        peers = self.peers
+        if peers is None:
+            return
+        peers.end_step()
+        for fx in peers.decided():
+            if len(fx.blocks):
+                self._write_engine(fx.rows, fx.blocks)
+            peers.release(fx.rows)
+            self._failed.update(fx.failed)
+            left = self._fetching[fx.request_id] - 1
+            if left:
+                self._fetching[fx.request_id] = left
+            else:
+                del self._fetching[fx.request_id]
+
+    def _write_engine(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Engine blocks ``blocks`` <- landing ``rows`` (whole blocks, every layer), after
+        the copies the transfer engine still has on those blocks (S2), on the engine's
+        current stream (after the compute queued so far, S4)."""
+        gpu, engine = self._gpu, self._engine
+        self._executor.wait_host(engine.pending_events(blocks))
+        src = self.peers.landing[torch.from_numpy(rows)].to(gpu.device)
+        gpu.scatter(src, torch.from_numpy(blocks).to(gpu.device), range(self.layout.num_layers))
+        if gpu.device.type == "cuda":
+            torch.cuda.current_stream(gpu.device).synchronize()  # the rows are reused next
+        self._moved["remote"] = self._moved.get("remote", 0) + len(blocks)
+
     def finished(self) -> Finished:
         """The requests whose loads (``loaded``) or saves (``saved``) have all completed
-        since the last call; their engine blocks are the engine's again."""
+        since the last call; their engine blocks are the engine's again. A load with
+        blocks fetched from other replicas completes at the ``end_step`` that decides
+        them."""
         self._registered()
         done = self._executor.is_done
         out: dict[str, set] = {LOAD: set(), SAVE: set()}
-        for key in [k for k, evs in self._inflight.items() if all(done(e) for e in evs)]:
+        fetching = self._fetching
+        for key in [k for k, evs in self._inflight.items()
+                    if all(done(e) for e in evs) and not (k[0] == LOAD and k[1] in fetching)]:
             del self._inflight[key]
             out[key[0]].add(key[1])
         return Finished(frozenset(out[SAVE]), frozenset(out[LOAD]))
@@ -285,7 +348,12 @@ class ExternalCache:
         every worker runs its own scheduler agrees on what they report: vLLM's
         ``external_launcher``, ``kvdist.integrations.vllm.agree``)."""
         self._live()
-        return self._comm.allgather(obj, what)
+        return self._group.allgather(obj, what)
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of this replica (``distributed.tp_size``; the whole job when 0)."""
+        return self._group.size
 
     def synchronize(self) -> None:
         """The host waits until every issued copy has run."""
@@ -302,11 +370,14 @@ class ExternalCache:
                 "block_bytes": self.layout.bytes_per_block,
                 "transfer_batches": e.stats.batches if e is not None else 0,
                 "transfer": self._executor.stats() if self._executor is not None else {},
-                "rank": self.rank, "world_size": self.world_size}
+                "rank": self.rank, "world_size": self.world_size,
+                **({"remote": self.peers.stats()} if self.peers is not None else {})}
 
     def check_invariants(self) -> None:
         if self._engine is not None:
             self._engine.check_invariants()
+        if self.peers is not None:
+            self.peers.check_invariants()
 
     # -- teardown ------------------------------------------------------------------------------------
     def close(self, wait_for_peers: bool = True) -> None:
@@ -319,12 +390,16 @@ class ExternalCache:
             self.synchronize()
             if self._executor is not None:
                 self._executor.close()
+            if self.peers is not None:
+                self.peers.close()
             if self._gpu is not None:
                 self._gpu.close()
             self._parts.teardown()
             if wait_for_peers and self._comm.usable:
                 self._comm.barrier("close")
         finally:
+            if self._replicas is not None:
+                self._replicas.free()
             self._comm.free()
 
     def __enter__(self) -> ExternalCache:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..transfer import ROUTES, Route
 
-__all__ = ["LOAD", "SAVE", "Job", "LoadPlan", "Prompt", "SavePlan", "TierPlan", "Transfers"]
+__all__ = ["LOAD", "SAVE", "Fetch", "Job", "LoadPlan", "Prompt", "SavePlan", "TierPlan", "Transfers"]
 
 LOAD, SAVE = "load", "save"
 
@@ -59,6 +59,7 @@ class LoadPlan:
     blocks: tuple[int, ...]
     failed: tuple[int, ...]
     tokens: int  # tokens the loaded blocks hold
+    remote: int = 0  # of ``blocks``, the last ones fetched from other replicas (asynchronous)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,20 @@ class SavePlan:
     blocks: tuple[int, ...]
     held: int
     dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """One load job's blocks that another replica holds (``cache.gpu: external`` with
+    ``distributed.remote``): block ``i`` is fetched from replica ``peers[i]``'s host slot
+    ``slots[i]``, where the directory listed the block of hash ``hashes[i]``, into engine
+    block ``blocks[i]`` (``kvdist.external.peers``). ``job`` indexes ``Transfers.jobs``."""
+
+    job: int
+    peers: tuple[int, ...]
+    slots: tuple[int, ...]
+    hashes: tuple[int, ...]
+    blocks: tuple[int, ...]
 
 
 def _ints(values: list[int], dtype) -> np.ndarray:
@@ -91,16 +106,22 @@ class Transfers:
     dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     job: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     jobs: tuple[Job, ...] = ()
+    # The host slots the copies fill, with the hash each then holds, in row order: the
+    # holder's stamps and directory records (remote tier). ``filled[i] = (local slot, hash)``.
+    filled: tuple[tuple[int, int], ...] = ()
+    fetches: tuple[Fetch, ...] = ()  # blocks loaded from other replicas (after the copies)
 
     @classmethod
-    def of(cls, tiers: TierPlan, copies: list[tuple[int, int, int, int]], jobs: list[Job]) -> Transfers:
+    def of(cls, tiers: TierPlan, copies: list[tuple[int, int, int, int]], jobs: list[Job],
+           filled: list[tuple[int, int]] = (), fetches: list[Fetch] = ()) -> Transfers:
         """From (route index, src, dst, job) rows."""
         cols = list(zip(*copies)) if copies else [[], [], [], []]
         return cls(tiers, _ints(cols[0], np.uint8), _ints(cols[1], np.int64), _ints(cols[2], np.int64),
-                   _ints(cols[3], np.int32), tuple(jobs))
+                   _ints(cols[3], np.int32), tuple(jobs), tuple(filled), tuple(fetches))
 
     def __len__(self) -> int:
-        return len(self.route)
+        """Copies and fetched blocks."""
+        return len(self.route) + sum(len(f.blocks) for f in self.fetches)
 
     def routes(self) -> list[Route]:
         return [ROUTES[i] for i in self.route.tolist()]

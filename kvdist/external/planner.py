@@ -21,6 +21,7 @@ since the last ``take``."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -34,9 +35,17 @@ from ..layout import KVLayout
 from ..prefix import PrefixIndex, chain_hashes, token_bytes
 from ..recompute_policy import RecomputePolicy
 from ..transfer import OFFLOAD, ONBOARD, RELOAD, ROUTES, SPILL, Route
-from .plan import LOAD, SAVE, Job, LoadPlan, Prompt, SavePlan, TierPlan, Transfers
+from .plan import LOAD, SAVE, Fetch, Job, LoadPlan, Prompt, SavePlan, TierPlan, Transfers
 
-__all__ = ["ExternalPlanner", "tier_plan"]
+__all__ = ["ExternalPlanner", "PeerLookup", "tier_plan"]
+
+
+class PeerLookup(Protocol):
+    """What the planner asks of the remote tier (``kvdist.external.peers.PeerTier``):
+    the (replica, its host slot) of the longest run of leading ``hashes`` other
+    replicas hold, as this replica's TP ranks all see it (rule R4)."""
+
+    def holders(self, hashes: list[int]) -> list[tuple[int, int]]: ...
 
 _ROUTE_ID = {r: i for i, r in enumerate(ROUTES)}
 
@@ -68,8 +77,12 @@ class ExternalPlanner:
     """Bookkeeping of kvdist's host and disk tiers for an engine that owns the GPU tier
     (see the module docstring). Not thread-safe: the engine's scheduler drives it."""
 
-    def __init__(self, cfg: CacheConfig | dict | str, tiers: TierPlan | None = None):
+    def __init__(self, cfg: CacheConfig | dict | str, tiers: TierPlan | None = None,
+                 peers: PeerLookup | None = None):
+        """``peers``: the remote tier of the worker rank in this process (every TP rank
+        runs its own planner: vLLM's external_launcher); None: host and disk alone."""
         cfg = load_config(cfg)
+        self.peers = peers
         assert cfg.cache.gpu == "external", "ExternalPlanner is for cache.gpu: external"
         self.layout = KVLayout.from_config(cfg)
         self.tpb = self.layout.tokens_per_block
@@ -77,6 +90,9 @@ class ExternalPlanner:
         self._salt = self.layout.hash_salt()
         self._rows: list[tuple[int, int, int, int]] = []
         self._jobs: list[Job] = []
+        self._filled: list[tuple[int, int]] = []  # host slots saves fill, and their hashes
+        self._fetches: list[Fetch] = []
+        self.remote_hit_tokens = 0  # tokens planned to load from other replicas
         self._number(tiers if tiers is not None else tier_plan(cfg))
 
     def _number(self, tiers: TierPlan) -> None:
@@ -123,33 +139,44 @@ class ExternalPlanner:
     def _prompt(self, prompt: Prompt | Sequence[int]) -> Prompt:
         return prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
 
-    def _held(self, hashes: list[int], first: int) -> list[int]:
-        """Slots of the longest run of ``hashes[first:]`` kvdist holds, cut where loading
-        stops paying (the recompute policy)."""
+    def _held(self, hashes: list[int], first: int) -> tuple[int, int]:
+        """(blocks here, blocks another replica holds after them) of the longest run of
+        ``hashes[first:]``, cut where loading stops paying (the recompute policy; a
+        remote block is priced as a host onboard, its cheapest)."""
         slots = self.index.match(hashes[first:])
-        if not slots:
-            return slots
-        return slots[: self.policy.cut([self.space.tier_of(s) for s in slots])]
+        tiers = [self.space.tier_of(s) for s in slots]
+        if self.peers is not None:
+            tiers += [HOST] * len(self.peers.holders(hashes[first + len(slots):]))
+        k = self.policy.cut(tiers) if tiers else 0
+        return min(k, len(slots)), max(k - len(slots), 0)
 
     # -- loads ------------------------------------------------------------------------------------
     def lookup(self, prompt: Prompt | Sequence[int], gpu_hit_tokens: int = 0) -> int:
         """Tokens after the engine's own GPU hit (``gpu_hit_tokens``, whole blocks) that
-        kvdist holds in its host and disk tiers and that are worth loading rather than
-        computing; never the whole prompt (one token is always left to compute).
-        Changes nothing."""
+        kvdist holds in its host and disk tiers (and, with the remote tier, other
+        replicas do) and that are worth loading rather than computing; never the whole
+        prompt (one token is always left to compute). Changes nothing."""
+        return sum(self.lookup_split(prompt, gpu_hit_tokens))
+
+    def lookup_split(self, prompt: Prompt | Sequence[int], gpu_hit_tokens: int = 0) -> tuple[int, int]:
+        """``lookup``'s tokens as (this replica's tiers', other replicas'): the engine
+        loads the latter asynchronously (they complete at a later step boundary)."""
         assert gpu_hit_tokens % self.tpb == 0, f"a GPU hit of {gpu_hit_tokens} tokens is not whole blocks"
         p = self._prompt(prompt)
         usable = min(max(p.num_tokens - 1, 0) // self.tpb, len(p.hashes))
         first = gpu_hit_tokens // self.tpb
         if first >= usable:
-            return 0
-        return len(self._held(list(p.hashes[:usable]), first)) * self.tpb
+            return 0, 0
+        here, remote = self._held(list(p.hashes[:usable]), first)
+        return here * self.tpb, remote * self.tpb
 
     def plan_load(self, request_id: Hashable, prompt: Prompt | Sequence[int], engine_blocks: Sequence[int],
                   gpu_hit_tokens: int = 0) -> LoadPlan:
         """Queue loads into ``engine_blocks`` (the engine's block ids for the blocks
         right after its GPU hit, one per block ``lookup`` counted): each gets the block
-        kvdist holds for that position. Blocks kvdist no longer holds are ``failed``."""
+        kvdist holds for that position, from this replica's tiers or, after them, from
+        the replica the directory names (a ``Fetch``). Blocks no one holds any more are
+        ``failed``."""
         assert gpu_hit_tokens % self.tpb == 0, f"a GPU hit of {gpu_hit_tokens} tokens is not whole blocks"
         first = gpu_hit_tokens // self.tpb
         want = list(engine_blocks)
@@ -163,9 +190,18 @@ class ExternalPlanner:
             self._rows.append((_ROUTE_ID[route], s - self.space.base[tier], e, job))
             self.counters.hit_tokens[tier] += self.tpb
         self._touch(hashes[:len(slots)])
-        loaded, failed = tuple(want[:len(slots)]), tuple(want[len(slots):])
+        n = local = len(slots)
+        if self.peers is not None and n < len(want):
+            held = self.peers.holders(hashes[n:])
+            if held:
+                peers, at = zip(*held)
+                self._fetches.append(Fetch(job, peers, at, tuple(hashes[n:n + len(held)]),
+                                           tuple(want[n:n + len(held)])))
+                self.remote_hit_tokens += len(held) * self.tpb
+                n += len(held)
+        loaded, failed = tuple(want[:n]), tuple(want[n:])
         self._jobs.append(Job(request_id, LOAD, loaded, failed))
-        return LoadPlan(request_id, loaded, failed, len(slots) * self.tpb)
+        return LoadPlan(request_id, loaded, failed, n * self.tpb, n - local)
 
     # -- saves --------------------------------------------------------------------------------------
     def saveable(self, prompt: Prompt | Sequence[int], first_block: int = 0) -> int:
@@ -193,6 +229,8 @@ class ExternalPlanner:
                 dropped += 1
                 continue
             self._rows.append((_ROUTE_ID[route], int(e), s - self.space.base[tier], job))
+            if tier == HOST:
+                self._filled.append((s - self.space.base[HOST], h))
             landed = self.pool.land(s, h, priority)
             assert landed, "a hash not indexed a moment ago is indexed"
             saved.append(int(e))
@@ -215,9 +253,11 @@ class ExternalPlanner:
     def take(self) -> Transfers:
         """The copies queued since the last call, in order, and their jobs (for the
         engine's per-step metadata); the planner starts a new list."""
-        out = Transfers.of(self.tiers, self._rows, self._jobs)
+        out = Transfers.of(self.tiers, self._rows, self._jobs, self._filled, self._fetches)
         self._rows.clear()
         self._jobs.clear()
+        self._filled.clear()
+        self._fetches.clear()
         return out
 
     def agree(self, figures: list[int]) -> None:
@@ -234,6 +274,7 @@ class ExternalPlanner:
                 "blocks_free": {n: free(t) for n, t in tiers.items() if cap[t]},
                 "hit_tokens": {n: self.counters.hit_tokens[t] for n, t in tiers.items() if cap[t]},
                 "blocks_moved": dict(self.counters.blocks_moved),
+                **({"remote_hit_tokens": self.remote_hit_tokens} if self.peers is not None else {}),
                 "evictions": sum(self.counters.evictions), "dropped": self.counters.dropped,
                 "recompute_policy": self.policy.stats(lambda t: cap[t] > 0)}
 

@@ -17,6 +17,7 @@ import pytest
 import kvdist
 from kvdist.distributed.remote_rules import REMOTE_RULES
 from tests.mpi.replica_harness import (
+    BLOCK,
     DEVICE,
     FETCHER,
     FULL,
@@ -239,6 +240,80 @@ def test_a_node_peers_blocks_are_fetched_at_admission_not_prefetched(world, tran
             assert s["remote"]["blocks_landed"] == FULL and s["bytes_fetched_remote"] == FULL * 512
             assert r.block_digests("p", FULL) == want and r.d.mismatched_tokens == 0
             r.d.release(0)
+            world.Ibarrier().Wait()
+        else:
+            r.serve_until(world.Ibarrier())
+        r.cache.check_consistency()
+
+
+def test_a_mixed_requests_near_blocks_are_fetched_at_admission_and_the_far_ones_prefetched(
+        world, monkeypatch):
+    """A request whose first 4 blocks a replica on this node holds and whose last 4 only
+    a replica on another (faked) node holds: the prefetch starts the far 4 alone, by
+    messages into the host tier; admission fetches the near 4 straight into the GPU
+    slots (one DMA from the peer's mapping) and onboards the far 4 from the host tier.
+    Nodes of two replicas each (TP 1 at 4 ranks; TP 2 from 6): every TP rank of the
+    fetcher decides the same blocks (R1: ``near`` comes from the start-up table)."""
+    T = 2 if world.size >= 6 and world.size % 2 == 0 else 1
+    if world.size < 3:
+        pytest.skip("needs three replicas")
+    monkeypatch.setenv("KVDIST_FAKE_RANKS_PER_NODE", str(2 * T))
+    near, fetcher, far = 0, 1, 2  # replicas 0 and 1 share a node; 2 is on the next one
+    head = PROMPT[:4 * 4 + 1]  # the near holder's prompt: the first 4 blocks of PROMPT
+    cfg = config(world=world.size)
+    cfg["distributed"]["tp_size"] = T
+    with Replica(cfg, ALL) as r:
+        me, n = r.replica, r.cache.num_replicas
+        digests = None
+        if me in (near, far):
+            prompt = head if me == near else PROMPT
+            blocks = len(r.prompt_hashes(prompt))
+            r.step({"p": prompt}, keep=True)
+            digests = r.block_digests("p", blocks)
+            r.d.release("p")
+            for k in range(3):
+                r.step({f"f{k}": list(range(5000 + 100 * k, 5040 + 100 * k))})
+            assert [r.remote.slots.tier_of(h) for h in r.prompt_hashes(prompt)] == [1] * blocks
+        everyone = world.allgather(digests)
+        world.Barrier()
+        if me == fetcher:
+            tp_rank = r.cache.tp_rank
+            want = everyone[near * T + tp_rank][:4] + everyone[far * T + tp_rank][4:]
+            assert r.cache.stats()["remote"]["transports"] == {"shared": 1, "messages": n - 2}
+            hashes = r.prompt_hashes()
+            directory = r.remote.directory
+            for _ in range(400):  # the node directory lists the head, the far replica's records the rest
+                if [directory.holder(g)[0] for g in directory.match(hashes)] == [near] * 4 + [far] * 4:
+                    break
+                time.sleep(0.002)
+                r.step()
+            else:
+                raise AssertionError("the directory never listed the prompt at both holders")
+            r.d.begin()
+            started = r.cache.prefetch("p", PROMPT)
+            r.d.end()
+            for _ in range(400):  # the far holder answers between its steps
+                if r.cache.prefetch_ready("p"):
+                    break
+                time.sleep(0.002)
+                r.step()
+            before = [r.remote.slots.tier_of(h) for h in hashes]
+            reused = r.step({"p": PROMPT}, keep=True)
+            after = [r.remote.slots.tier_of(h) for h in hashes]
+            s = r.cache.stats()
+            mine = (started, before, reused, after, list(r.remote.counters.hit_blocks),
+                    s["remote"]["batches"], s["remote"]["blocks_landed"])
+            assert r.tp.allgather(mine, "test: decisions") == [mine] * T  # R1
+            assert started == 4  # the far blocks alone
+            assert before == [None] * 4 + [1] * 4  # the far ones landed in the host tier, the near not yet
+            assert reused == {"p": FULL * 4} and after == [0] * FULL
+            assert r.remote.counters.hit_blocks == [4, 4, 0]  # 4 fetched into the GPU, 4 onboarded from host
+            remote = s["remote"]
+            assert (remote["prefetches"], remote["batches"], remote["blocks_landed"]) == (1, 2, FULL)
+            assert s["hit_tokens"]["remote"] == FULL * 4 and s["bytes_fetched_remote"] == FULL * BLOCK
+            assert s["remote_misses"] == 0
+            assert r.block_digests("p", FULL) == want and r.d.mismatched_tokens == 0  # the holders' bytes
+            r.d.release("p")
             world.Ibarrier().Wait()
         else:
             r.serve_until(world.Ibarrier())

@@ -155,8 +155,11 @@ def test_a_corrupted_block_from_the_other_replica_is_caught(monkeypatch):
     """Rule off: on the last TP rank of each replica, the first prompt that reuses blocks
     fetched from the other replica gets one of them overwritten before the model reads
     it. Its digest matches no write of any replica: the run reports it and fails. (Both
-    replicas corrupt: in a short wall-clock run one of them may fetch nothing.)"""
+    replicas corrupt: in a short wall-clock run one of them may fetch nothing; fetched by
+    prefetches, as the sharing test's are, so that a fetch finds the holder's slots still
+    valid: looked up at admission, in one run of five on the loaded 2-core box, none did.)"""
     world = two_replicas()
+    prefetch_into_host(monkeypatch)
     corrupted, remote_now = [], {}
     tp = world.size // 2
     last_tp_rank = world.rank % tp == tp - 1

@@ -18,13 +18,13 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason=os.environ.get("KVDIST_VLLM_SKIP", "needs vLLM (make vllm)"))
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvdist.errors import CacheClosedError, ConfigError  # noqa: E402
 from kvdist.external import Job  # noqa: E402
-from kvdist.integrations.vllm import KVDistConnector  # noqa: E402
+from kvdist.integrations.vllm import KVDistConnector, local_worker  # noqa: E402
 from kvdist.storage import DiskPool  # noqa: E402
 from kvdist.transfer import OFFLOAD, ONBOARD, RELOAD  # noqa: E402
 
@@ -36,6 +36,7 @@ from .harness import (  # noqa: E402
     TAIL,
     Engine,
     expected,
+    kv_cache_config,
     request,
     rows,
     save_a,
@@ -300,3 +301,12 @@ def test_config_mistakes_name_the_key(model, tmp_path):
         Engine(vllm_config(model, tmp_path / "k.yaml", NUM_BLOCKS, load_async="yes"), NUM_BLOCKS)
     with pytest.raises(ConfigError, match=r"'kv_connector_extra_config.kvdist_cfg': unknown key"):
         Engine(vllm_config(model, tmp_path / "k.yaml", NUM_BLOCKS, kvdist_cfg="x"), NUM_BLOCKS)
+    # The remote tier needs the worker beside the scheduler (external_launcher); a
+    # scheduler of its own process (vLLM's multiprocessing executor) refuses it.
+    (tmp_path / "r.yaml").write_text(
+        "cache: {host: {bytes: 64KiB}}\ndistributed: {remote: {enabled: true}}\n", encoding="utf-8")
+    assert local_worker.take() == (False, None)  # every engine before shut its worker down
+    alone = KVDistConnector(vllm_config(model, tmp_path / "r.yaml", NUM_BLOCKS), KVConnectorRole.SCHEDULER,
+                            kv_cache_config(NUM_BLOCKS, KVCacheLayout.LBNHC))
+    with pytest.raises(ConfigError, match=r"'distributed.remote.enabled': needs each TP worker's process"):
+        alone.set_xfer_handshake_metadata({})

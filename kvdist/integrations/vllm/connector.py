@@ -64,7 +64,7 @@ class KVDistConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(ExternalPlanner(cfg), load_async)
+            self._scheduler = SchedulerSide(ExternalPlanner(cfg), load_async, cfg.distributed.remote.enabled)
         else:
             parallel = vllm_config.parallel_config
             self._worker = WorkerSide(cfg, agree=parallel.distributed_executor_backend == "external_launcher",

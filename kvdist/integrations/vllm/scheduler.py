@@ -34,7 +34,9 @@ __all__ = ["SchedulerSide"]
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ...errors import ConfigError
 from ...external import ExternalPlanner, Prompt, TierPlan
+from . import local_worker
 from .plan import KVDistConnectorMetadata, KVDistHandshake, KVDistWorkerMetadata
 
 if TYPE_CHECKING:
@@ -45,8 +47,11 @@ if TYPE_CHECKING:
 
 
 class SchedulerSide:
-    def __init__(self, planner: ExternalPlanner, load_async: bool) -> None:
+    def __init__(self, planner: ExternalPlanner, load_async: bool, remote: bool = False) -> None:
+        """``remote``: ``distributed.remote.enabled`` (the planner then asks the remote
+        tier of the worker in this process: ``adopt``)."""
         self.planner = planner
+        self.remote = remote
         self.block_size = planner.tpb
         self.load_async = load_async
         self._requests: dict[str, Request] = {}
@@ -66,18 +71,29 @@ class SchedulerSide:
         plans = [m.tiers for m in workers.values()]
         if plans:
             self.planner.adopt(TierPlan(min(p.host_blocks for p in plans), min(p.disk_blocks for p in plans)))
+        if self.remote:
+            here, peers = local_worker.take()
+            if not here:
+                raise ConfigError("distributed.remote.enabled", True,
+                                  "needs each TP worker's process to run its own scheduler (vLLM's "
+                                  "distributed_executor_backend='external_launcher' under mpiexec): "
+                                  "this scheduler has no worker beside it")
+            self.planner.peers = peers  # None: the remote tier is off (one replica, or it failed)
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvdist holds right after vLLM's block-aligned hit (never the whole
-        prompt); ``(n, True)`` when loads are asynchronous. Changes nothing in kvdist."""
-        n = self.planner.lookup(self._prompt(request), num_computed_tokens)
-        if n == 0:
+        prompt), in this replica's tiers or other replicas' (the remote tier);
+        ``(n, True)`` when loads are asynchronous, as a load with blocks of other
+        replicas always is (they land at a later step boundary). Changes nothing in
+        kvdist."""
+        here, remote = self.planner.lookup_split(self._prompt(request), num_computed_tokens)
+        if here + remote == 0:
             return 0, False
         self._hits[request.request_id] = num_computed_tokens
-        return n, self.load_async
+        return here + remote, self.load_async or remote > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -91,9 +107,9 @@ class SchedulerSide:
         assert n * self.block_size == num_external_tokens, \
             f"{num_external_tokens} tokens are not whole blocks"
         engine_blocks = blocks.get_block_ids()[0][first:first + n]
-        self.planner.plan_load(request.request_id, self._prompt(request), engine_blocks, hit)
+        plan = self.planner.plan_load(request.request_id, self._prompt(request), engine_blocks, hit)
         self._loaded[request.request_id] = first + n  # loaded (or failed, then recomputed): not saved
-        if self.load_async:
+        if self.load_async or plan.remote:
             self._async.add(request.request_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -51,6 +51,7 @@ import torch
 from ...config import CacheConfig
 from ...errors import ConfigError
 from ...external import ExternalCache, create
+from . import local_worker
 from .agree import Agreement, Report
 from .forward_clock import ForwardClock
 from .plan import KVDistConnectorMetadata, KVDistHandshake, KVDistWorkerMetadata
@@ -82,18 +83,23 @@ class WorkerSide:
         device = next(iter(kv_caches.values())).device
         cache = create(self.cfg, comm=comm, device=device)
         try:
-            if self.agree and self.tp > 1 and cache.world_size == 1:
+            if self.agree and self.tp > 1 and cache.tp_size == 1:
                 raise ConfigError("parallel_config.tensor_parallel_size", self.tp,
                                   "under external_launcher every TP worker must be a rank of one kvdist job, "
                                   "but this worker's is alone: start the workers with mpiexec (not torchrun "
                                   "alone) and call kvdist.integrations.vllm.launcher_env() before LLM(...)")
+            if self.agree and cache.tp_size not in (1, self.tp):
+                raise ConfigError("distributed.tp_size", self.cfg.distributed.tp_size,
+                                  f"kvdist's replicas have {cache.tp_size} ranks but vLLM's "
+                                  f"tensor_parallel_size is {self.tp}: set distributed.tp_size: {self.tp}")
             cache.register(kv_caches)
         except BaseException:
             cache.close(wait_for_peers=False)
             raise
-        if self.agree and cache.world_size > 1:
-            self._agreement = Agreement(cache.world_size)
+        if self.agree and cache.tp_size > 1:
+            self._agreement = Agreement(cache.tp_size)
         self._cache = cache
+        local_worker.offer(cache.peers)
         self._layer = {name: i for i, name in enumerate(kv_caches)}
         self._clock = ForwardClock(device)
 
@@ -129,6 +135,7 @@ class WorkerSide:
         """After the step's forward: what finished, and the forward's figure."""
         for tokens, seconds in self._clock.end_step(meta.computed_tokens):
             self.cache.observe_prefill(tokens, seconds)
+        self.cache.end_step()  # the remote tier's step agreement (TP group), when it is on
         done = self.cache.finished()
         loaded = self._async & done.loaded
         self._async -= loaded
@@ -160,4 +167,5 @@ class WorkerSide:
         kvdist's tiers."""
         if self._cache is not None:
             cache, self._cache = self._cache, None
+            local_worker.withdraw(cache.peers)
             cache.close()
