@@ -146,30 +146,42 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
                           device, slots, capacity, built, enforced)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-    failed = comm.allreduce_max(int(error is not None), "remote tier: commit")
+    committed = commit_or_undo(comm, error, built, stamps, host, layout.rank, "remote tier")
     if created is not None:  # every rank with node peers has it mapped (or failed)
         created.unlink()
         created.close()
-    if failed:
-        reasons = comm.allgather(error, "remote tier: reasons")
-        for thing in reversed(built):
-            thing.close()
-        if stamps is not None:
-            stamps.close()
-        host.memory.unlink()
-        if layout.rank == 0:
-            why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(reasons) if e)
-            warnings.warn(f"kvdist: the remote tier is off on all {comm.size} ranks: {why}",
-                          RemoteTierWarning, stacklevel=3)
+    if not committed:
         return None
-    host.memory.unlink()  # every peer has mapped it
-    stamps.unlink()
     misses = [r for r, i in enumerate(infos) if i["shm_error"]]
     if misses and layout.rank == 0:
         warnings.warn(f"kvdist: /dev/shm could not hold the host tier of rank(s) "
                       f"{', '.join(map(str, misses))} ({infos[misses[0]]['shm_error']}): remote "
                       f"fetches from them go through MPI messages", RemoteTierWarning, stacklevel=3)
     return tier
+
+
+def commit_or_undo(comm, error: str | None, built: list, stamps: SlotStamps | None, host: HostPool,
+                   rank: int, what: str) -> bool:
+    """The start-up's commit (collective, ``what`` naming its steps): True when no rank
+    had an ``error``; its files are unlinked, every peer having mapped them. Else every
+    rank closes what it ``built`` (last first) and its stamps, unlinks its host tier's
+    file, rank 0 warns once with each rank's reason, and False."""
+    failed = comm.allreduce_max(int(error is not None), f"{what}: commit")
+    if not failed:
+        host.memory.unlink()  # every peer has mapped it
+        stamps.unlink()
+        return True
+    reasons = comm.allgather(error, f"{what}: reasons")
+    for thing in reversed(built):
+        thing.close()
+    if stamps is not None:
+        stamps.close()
+    host.memory.unlink()
+    if rank == 0:
+        why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(reasons) if e)
+        warnings.warn(f"kvdist: the remote tier is off on all {comm.size} ranks: {why}",
+                      RemoteTierWarning, stacklevel=4)
+    return False
 
 
 def _create_node_directory(cfg: CacheConfig, plan: SharePlan, layout: ReplicaLayout,
@@ -277,4 +289,4 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
                       near=_near(cfg, plan, layout, infos))
 
 
-__all__ = ["RemoteTierWarning", "SharePlan", "commit_remote", "plan_sharing", "wanted"]
+__all__ = ["RemoteTierWarning", "SharePlan", "commit_or_undo", "commit_remote", "plan_sharing", "wanted"]

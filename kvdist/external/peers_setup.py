@@ -35,7 +35,7 @@ from ..distributed.message_server import MessageServer
 from ..distributed.message_transport import MessageTransport
 from ..distributed.peer_copy import ImmediateCopier
 from ..distributed.remote_rules import REMOTE_RULES, RemoteRules
-from ..distributed.remote_setup import RemoteTierWarning, SharePlan, plan_sharing, wanted
+from ..distributed.remote_setup import RemoteTierWarning, SharePlan, commit_or_undo, plan_sharing, wanted
 from ..distributed.replicas import ReplicaComms, ReplicaLayout
 from ..distributed.shared_transport import SharedTransport
 from ..distributed.stamps import SlotStamps
@@ -104,21 +104,8 @@ def commit_peers(comm, share: Sharing, cfg: CacheConfig, status: InitStatus, hos
                           RemoteRules.named(REMOTE_RULES if rules is None else rules))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-    failed = comm.allreduce_max(int(error is not None), "remote tier (external): commit")
-    if failed:
-        reasons = comm.allgather(error, "remote tier (external): reasons")
-        for thing in reversed(built):
-            thing.close()
-        if stamps is not None:
-            stamps.close()
-        host.memory.unlink()
-        if layout.rank == 0:
-            why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(reasons) if e)
-            warnings.warn(f"kvdist: the remote tier is off on all {comm.size} ranks: {why}",
-                          RemoteTierWarning, stacklevel=3)
+    if not commit_or_undo(comm, error, built, stamps, host, layout.rank, "remote tier (external)"):
         return None
-    host.memory.unlink()  # every peer has mapped it
-    stamps.unlink()
     return tier
 
 

@@ -644,3 +644,37 @@ def test_end_step_returns_the_figures_the_tp_group_agreed(world):
         assert agreed == [100, 50 - (T - 1)]
         r.step()
         world.Barrier()
+
+
+def test_a_rank_that_cannot_build_its_part_turns_the_remote_tier_off_on_every_rank(world, monkeypatch):
+    """Start-up commits the remote tier on every rank or on none
+    (``remote_setup.commit_or_undo``): rank 1's build fails, every rank comes up without
+    it, rank 0 alone warns naming rank 1's reason, and no rank leaves a file of its host
+    tier or stamps in /dev/shm."""
+    import kvdist.distributed.remote_setup as setup
+
+    real = setup._build
+
+    def build(comm, *args):
+        if world.rank == 1:
+            raise OSError("no room for the landing area")
+        return real(comm, *args)
+
+    monkeypatch.setattr(setup, "_build", build)
+    before = set(os.listdir("/dev/shm"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cache = kvdist.create(config(world=world.size))
+    try:
+        said = [str(w.message) for w in seen if issubclass(w.category, setup.RemoteTierWarning)]
+        assert "remote" not in cache.tiers and "host" in cache.tiers
+        if world.rank == 0:
+            assert said == [f"kvdist: the remote tier is off on all {world.size} ranks: "
+                            "rank 1: OSError: no room for the landing area"], said
+        else:
+            assert said == []
+        world.Barrier()
+        left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvdist-")}
+        assert left == set(), left
+    finally:
+        cache.close()
