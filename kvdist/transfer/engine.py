@@ -410,12 +410,8 @@ class TransferEngine:
         if out.any():  # by an open batch: few, compared without np.isin's overhead
             out &= (m[:, None] >> 1 == np.fromiter(self._by_token, dtype=np.int64)).any(axis=1)
         if self._events:
-            lw = self._last_write[keys]
             done = self.executor.is_done
-            busy = [bid for bid in _distinct(lw).tolist()
-                    if (ev := self._events.get(bid)) is not None and not done(ev)]
-            if busy:
-                out |= np.isin(lw, busy)
+            out |= self._batches_where(self._last_write[keys], lambda ev: not done(ev))
         return out
 
     def disk_pending(self, slots) -> np.ndarray:
@@ -431,13 +427,18 @@ class TransferEngine:
             if disk:
                 m = self._mark[keys]
                 out |= (m >= 0) & np.isin(m >> 1, disk)
-        held = self.executor.holds_host
-        for ids in (self._last_read[keys], self._last_write[keys]):
-            busy = [bid for bid in _distinct(ids).tolist()
-                    if (ev := self._events.get(bid)) is not None and held(ev)]
-            if busy:
-                out |= np.isin(ids, busy)
+        if self._events:
+            held = self.executor.holds_host
+            out |= self._batches_where(self._last_read[keys], held)
+            out |= self._batches_where(self._last_write[keys], held)
         return out
+
+    def _batches_where(self, ids: np.ndarray, test: Callable[[Event], bool]) -> np.ndarray:
+        """Per entry of ``ids`` (batch ids of a slot's last read or write): whether that
+        batch is in flight and ``test`` holds for its event."""
+        busy = [bid for bid in _distinct(ids).tolist()
+                if (ev := self._events.get(bid)) is not None and test(ev)]
+        return np.isin(ids, busy) if busy else np.zeros(len(ids), dtype=bool)
 
     @property
     def nbytes(self) -> int:
