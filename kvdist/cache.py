@@ -171,20 +171,19 @@ class KVCache:
         # those: BlockPool.host_ready), and which prefetches' disk reads every rank has
         # (kvdist.loads). One MIN-reduce, on which the remote tier's agreement rides.
         figures = policy.local_figures() if policy.enabled and len(self.tiers) > 1 else []
-        ready = manager.local_host_ready()
-        figures = figures + ready
+        ready = manager.local_host_ready()  # [] when offloads never drop behind the disk
         landed = self._loads.local()  # [] when no prefetch waits (alike on every rank)
-        extra = figures + landed if figures or landed else None
+        extra = figures + ready + landed if figures or ready or landed else None
         agreed = self._remote.end_step(extra) if self._remote is not None else None
         if extra is not None:
             if agreed is None:
                 agreed = self._replicas.tp.allreduce_min(
                     extra, "recompute policy figures" if not landed else "step figures and disk loads")
-            n = len(figures) - len(ready)
-            if n:
+            n, k = len(figures), len(figures) + len(ready)
+            if figures:
                 policy.agree(agreed[:n])
-            manager.agree_host_ready(agreed[n:len(figures)])
-            self._loads.agree(agreed[len(figures):])
+            manager.agree_host_ready(agreed[n:k])
+            self._loads.agree(agreed[k:])
         if self._parts.events is not None:
             self._parts.events.end_step()  # the step's block changes: one batch, sent off the step's path
         if self._check_every and self._manager.counters.steps % self._check_every == 0:
