@@ -22,11 +22,18 @@ Runs of moves along one route go at once (``move_run``: the slot arrays written 
 numpy, one probe loop for the index): an admission's onboards, and the offloads of the
 GPU's coldest blocks whenever the tier below has the free slots for all of them (else
 block by block, each through the cascade). ``batch_moves = False`` moves block by block
-throughout (``bench manager`` shows both). When a host
-slot gets or loses its block, ``host_observer`` hears it, from ``_host_changed``
-alone; when a cached block enters, moves between or leaves the tiers, ``block_observer``
-hears it (the KV cache events, ``kvdist.events``): moves once per run, at
-``submit_moves``; None costs one test per run or drop."""
+throughout (``bench manager`` shows both).
+
+No Python hook runs per block change. When host slots get or lose their blocks,
+``host_observer`` hears it once per ``submit_moves``, before its copies reach the engine
+(``_tell_host``: the run's host sources and destinations, read off its routes, and the
+host drops since the last call), and once per block landed in the host tier. When a
+cached block enters, moves between or leaves the tiers, the change is appended to
+``block_log`` as it is (the KV cache events, ``kvdist.events``, read it once a step):
+a run of moves is the list of its segments, handed over whole at ``submit_moves``; a
+drop, a landing and the manager's registrations are one tuple each (``LOG_DROPPED``,
+``LOG_LANDED``, ``LOG_REGISTERED``, below). With no observer, each costs one test per
+run or drop."""
 
 from __future__ import annotations
 
@@ -56,7 +63,8 @@ from .prefix import MASK64, VECTOR_FROM, PrefixIndex
 from .recompute_policy import RecomputePolicy
 from .transfer import PROMOTE, Route, TransferEngine, route
 
-__all__ = ["BlockObserver", "BlockPool", "HostObserver", "PoolSnapshot"]
+__all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_REGISTERED", "BlockObserver", "BlockPool", "HostObserver",
+           "PoolSnapshot"]
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 
@@ -72,35 +80,46 @@ def _as_list(parts: list) -> list[int]:
 
 
 class HostObserver(Protocol):
-    """Who must know when a host slot's block changes (global slot ids)."""
+    """Who must know when host slots get or lose their blocks (the remote tier's stamps,
+    rule R2): told once per run of moves, before its copies reach the engine."""
 
-    def host_filled(self, slot: int) -> None:
-        """``slot`` now holds a cached block; the copy into it may still be queued."""
+    def host_changed(self, emptied: list, filled: list) -> None:
+        """Host slots (global ids) lost their blocks (``emptied``) and got cached blocks
+        (``filled``) since the last call: each a list of parts, int lists or int64 arrays
+        (a slot may be in both, and more than once). No copy into a filled slot, nor
+        into an emptied one reused, has reached the engine yet; a landed block's bytes
+        are in place. The parts are the observer's from then on."""
 
-    def host_emptied(self, slot: int) -> None:
-        """``slot`` no longer holds its block (it is free; its bytes stay until reused)."""
+
+# The block log's entries (``BlockObserver.log``) other than a run of moves (a list).
+LOG_REGISTERED, LOG_DROPPED, LOG_LANDED = range(3)
 
 
 class BlockObserver(Protocol):
     """Who must know which cached block each slot of every tier holds (global slot ids;
-    a block's hash is in meta). Blocks enter on the GPU (``registered``, told by the
-    manager) or land from another replica, move between tiers, and leave when dropped."""
+    a block's hash is in meta). Blocks enter on the GPU (registered by the manager) or
+    land from another replica, move between tiers, and leave when dropped.
 
-    def registered(self, slots: list[int], tokens, start: int, end: int) -> None:
-        """Blocks ``start .. end-1`` of a sequence (GPU ``slots``, int32 ``tokens``) were
-        registered: those now CACHED entered the cache (the others were already cached)."""
+    Nothing is called per change: the pool and the manager append each change to
+    ``log``, in order, as they make it, and the observer reads (and clears) it once a
+    step. An entry is one of:
 
-    def moved(self, srcs: list[int], dsts: list[int]) -> None:
-        """The cached block of each of ``srcs`` now lives in the ``dsts`` slot of the same
-        index (another tier), moved in that order: the pool's run of moves, handed over
-        whole at ``submit_moves`` (the lists are the observer's from then on)."""
+    * a ``list``: a run of moves handed to the engine at once (``submit_moves``), its
+      segments ``(route, srcs, dsts)`` in order (int lists or int64 arrays, the
+      observer's from then on): the cached block of each source now lives in the
+      destination of the same index;
+    * ``(LOG_REGISTERED, slots, tokens, start, end, hi, lo)``: blocks ``start .. end-1``
+      of a sequence were registered: ``slots[start:end]`` (GPU slots) and
+      ``tokens[start * tokens_per_block : end * tokens_per_block]`` (int32): those now
+      CACHED entered the cache, the others were cached already. ``slots`` and
+      ``tokens`` are the sequence's own, which only ever grow: read them by then.
+      ``hi``/``lo``: the 128-bit hash of block ``start - 1`` (0, 0 when ``start`` is 0);
+    * ``(LOG_DROPPED, slot, after)``: the cached block of ``slot`` left the cache, after
+      the first ``after`` moves of the run the next list entry holds;
+    * ``(LOG_LANDED, slot, lo)``: ``slot`` holds a cached block fetched from another
+      replica, the low half of its hash ``lo``."""
 
-    def dropped(self, slot: int, after: int) -> None:
-        """The cached block of ``slot`` left the cache, after the first ``after`` moves of
-        the run that the next ``moved`` hands over (made while that run was pending)."""
-
-    def landed(self, slot: int) -> None:
-        """``slot`` holds a cached block fetched from another replica."""
+    log: list
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +169,22 @@ class BlockPool:
         self._moves: list[tuple[Route, list[int] | np.ndarray, list[int] | np.ndarray]] = []
         self._pending = 0  # moves in them
         self.host_observer: HostObserver | None = None
-        self.block_observer: BlockObserver | None = None
+        self._host_dropped: list[int] = []  # host slots dropped since the last submit_moves
+        self._block_observer: BlockObserver | None = None
+        self.block_log: list | None = None  # the block observer's log (None: nobody's)
         self.generation = 0  # grows with every change (see the module docstring)
         self.batch_moves = True  # runs of moves at once (see the module docstring)
         self.transfer_seconds = 0.0  # handing moves to the engine
+
+    @property
+    def block_observer(self) -> BlockObserver | None:
+        """Who reads the block log (see ``BlockObserver``); None when nobody does."""
+        return self._block_observer
+
+    @block_observer.setter
+    def block_observer(self, observer: BlockObserver | None) -> None:
+        self._block_observer = observer
+        self.block_log = None if observer is None else observer.log
 
     # -- counts ----------------------------------------------------------------------------------
     def free_count(self, tier: int) -> int:
@@ -286,12 +317,11 @@ class BlockPool:
         meta.state_mv[src] = FREE
         self.free[along.src].push(src)
         self.counters.blocks_moved[along.name] += 1
-        if self.host_observer is not None:
-            self._host_changed(src, dst)
 
     def move_run(self, srcs: list[int], dsts: list[int], along: Route) -> None:
         """``move`` of each pair, in order, at once (``batch_moves``); the slots of
-        ``srcs`` and ``dsts`` are distinct."""
+        ``srcs`` and ``dsts`` are distinct. The pool keeps int64 arrays as they are
+        (the block log hands them on): the caller does not change them afterwards."""
         if not self.batch_moves or len(srcs) < 2:
             for s, d in zip(_as_list([srcs]), _as_list([dsts]), strict=True):
                 self.move(s, d, along)
@@ -308,14 +338,14 @@ class BlockPool:
         meta.state[si] = FREE
         self.free[along.src].push_many(si)
         self.counters.blocks_moved[along.name] += len(srcs)
-        if self.host_observer is not None:
-            for s, d in zip(si.tolist(), di.tolist()):
-                self._host_changed(s, d)
 
     def submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order:
-        each run of one route in one call."""
+        each run of one route in one call. The host observer hears the host slots
+        changed first (R2: their stamps go odd before any copy into them starts)."""
         moves = self._moves
+        if self.host_observer is not None and (moves or self._host_dropped):
+            self._tell_host(moves)
         if not moves:
             return
         t0 = time.perf_counter()
@@ -330,8 +360,8 @@ class BlockPool:
                               for k in (1, 2))
                     self._queue_copies(part[0][0], *joined)
                 start = i
-        if self.block_observer is not None:  # the run, handed over whole
-            self.block_observer.moved(_as_list([m[1] for m in moves]), _as_list([m[2] for m in moves]))
+        if self.block_log is not None:  # the run, handed over whole
+            self.block_log.append(moves)
         self._moves = []
         self._pending = 0
         self.transfer_seconds += time.perf_counter() - t0
@@ -346,14 +376,19 @@ class BlockPool:
         else:
             self.engine.copy_many(along, srcs, dsts)
 
-    def _host_changed(self, emptied: int, filled: int) -> None:
-        """Tell the host observer (set) which of ``emptied`` / ``filled`` (global slots,
-        NO_SLOT for none) are host slots that lost or got their block."""
-        obs, lo, hi = self.host_observer, self._gpu_end, self._host_end
-        if lo <= emptied < hi:
-            obs.host_emptied(emptied)
-        if lo <= filled < hi:
-            obs.host_filled(filled)
+    def _tell_host(self, moves: list) -> None:
+        """Hand the host observer (set) the host slots ``moves`` empty and fill (by their
+        routes) and those dropped since the last call, in one call."""
+        emptied: list = [self._host_dropped] if self._host_dropped else []
+        filled: list = []
+        for along, srcs, dsts in moves:
+            if along.src == HOST:
+                emptied.append(srcs)
+            if along.dst == HOST:
+                filled.append(dsts)
+        self._host_dropped = []
+        if emptied or filled:
+            self.host_observer.host_changed(emptied, filled)
 
     def promote(self, cold: list[tuple[int, int]]) -> int:
         """Move the disk blocks of a prompt's cached prefix (``cold``: (slot, tier) of
@@ -422,10 +457,10 @@ class BlockPool:
         self.index.remove(slot)
         self.meta.state_mv[slot] = FREE
         self.counters.dropped += 1
-        if self.host_observer is not None:
-            self._host_changed(slot, NO_SLOT)
-        if self.block_observer is not None:
-            self.block_observer.dropped(slot, self._pending)
+        if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
+            self._host_dropped.append(slot)  # told at the next submit_moves
+        if self.block_log is not None:
+            self.block_log.append((LOG_DROPPED, slot, self._pending))
 
     def _offload_slot(self) -> int:
         """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
@@ -508,10 +543,10 @@ class BlockPool:
         meta.state_mv[slot] = CACHED
         meta.prio_mv[slot] = priority
         self.lru[self.space.tier_of(slot)].push(slot)
-        if self.host_observer is not None:
-            self._host_changed(NO_SLOT, slot)
-        if self.block_observer is not None:
-            self.block_observer.landed(slot)
+        if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
+            self.host_observer.host_changed([], [[slot]])
+        if self.block_log is not None:
+            self.block_log.append((LOG_LANDED, slot, meta.lo_mv[slot]))
         return True
 
     def release(self, slot: int) -> None:
@@ -531,6 +566,7 @@ class BlockPool:
         """The eviction lists' own links; every move handed to the engine; no more host
         slots agreed ready than are free."""
         assert not self._moves, f"{self._pending} moves never reached the transfer engine"
+        assert not self._host_dropped, f"host drops {self._host_dropped} never told to the host observer"
         assert not self.drop_behind_disk or self.host_ready <= len(self.free[HOST]), \
             f"{self.host_ready} host slots agreed ready, {len(self.free[HOST])} free"
         for lru in self.lru:

@@ -4,9 +4,10 @@ against a one-line bug that every other test let through:
 
 * the shared-memory peer copy on simulated streams must follow the landing slots'
   pending copies (S2);
-* the holder's stamps (R2, writer side): ``host_filled`` makes a slot's stamp odd at
-  once, ``publish`` leaves it odd while the copy into the slot is pending, and a block
-  landed in the host tier is stamped and announced like any other."""
+* the holder's stamps (R2, writer side): a host slot's stamp is odd before the pool
+  hands a copy into it to the engine, and once it is reserved for a landing;
+  ``publish`` leaves it odd while the copy into the slot is pending; a block landed in
+  the host tier is stamped and announced like any other."""
 
 from __future__ import annotations
 
@@ -130,13 +131,74 @@ def test_publish_leaves_a_host_slot_invalid_while_the_copy_into_it_is_pending(ho
     assert stamps.arr[valid, HI].tolist() == hi.tolist() and stamps.arr[valid, LO].tolist() == lo.tolist()
 
 
-def test_host_filled_makes_the_stamp_odd_before_any_copy(holder):
-    _, seams, changes, stamps, _ = holder
-    base = seams.manager.space.base[HOST]
-    stamps.publish([3], np.array([5], dtype=np.uint64), np.array([6], dtype=np.uint64))
-    assert _valid(stamps) == [3]
-    changes.host_filled(base + 3)  # a copy into slot 3 is queued from now on
-    assert _valid(stamps) == [], "a slot being filled still reads as its old block"
+def _spy_copies(monkeypatch, manager, stamps: SlotStamps) -> list[tuple[int, bool]]:
+    """(local host slot, its stamp odd) of every copy into the host tier, as the pool
+    hands it to the transfer engine."""
+    engine, base, seen = manager.engine, manager.space.base[HOST], []
+    real_copy, real_copy_many = engine.copy, engine.copy_many
+
+    def note(route, dsts) -> None:
+        if route.dst == HOST:
+            local = np.asarray(dsts, dtype=np.int64).reshape(-1) - base
+            seen.extend(zip(local.tolist(), ((stamps.arr[local, GEN] & np.uint64(1)) == 1).tolist()))
+
+    def copy(route, src, dst):
+        note(route, [dst])
+        real_copy(route, src, dst)
+
+    def copy_many(route, src, dst):
+        note(route, dst)
+        real_copy_many(route, src, dst)
+
+    monkeypatch.setattr(engine, "copy", copy)
+    monkeypatch.setattr(engine, "copy_many", copy_many)
+    return seen
+
+
+def test_a_host_slot_stamp_is_odd_before_the_copy_into_it_reaches_the_engine(holder, monkeypatch):
+    """Prompts of four blocks, one a step, each released: the GPU's blocks go to the
+    host tier, and once it is full (no disk) each offload drops a host block and reuses
+    its slot, stamped valid meanwhile. Every copy into a host slot finds the slot's
+    stamp odd when the pool hands it to the engine (R2's writer side)."""
+    cache, seams, changes, stamps, _ = holder
+    seen = _spy_copies(monkeypatch, seams.manager, stamps)
+    reused = 0  # copies into a slot stamped valid when the step began
+    for i in range(6):
+        valid, first = set(_valid(stamps)), len(seen)
+        cache.begin_step()
+        cache.add_sequence(i, list(range(100 * i, 100 * i + 16)))  # four blocks, the GPU's all
+        cache.block_table([i])
+        cache.end_step()
+        cache.release(i)
+        cache.synchronize()
+        changes.publish()
+        reused += sum(s in valid for s, _ in seen[first:])
+    assert len(seen) == 20 and reused == 12  # 5 offloads of 4 blocks; the last 3 into published slots
+    assert [s for s, odd in seen if not odd] == [], "a copy into a host slot stamped valid"
+
+
+def test_a_host_slot_reserved_for_a_landing_is_odd_once_reserved(holder):
+    """The host tier full (no disk), every slot stamped valid: reserving a landing
+    slot drops the host tier's coldest block, with no move; the slot's stamp is odd
+    when reserve returns, before the fetched block is copied into it."""
+    cache, seams, changes, stamps, _ = holder
+    for i in range(3):
+        cache.begin_step()
+        cache.add_sequence(i, list(range(100 * i, 100 * i + 16)))
+        cache.block_table([i])
+        cache.end_step()
+        cache.release(i)
+        cache.synchronize()
+    changes.publish()
+    assert _valid(stamps) == list(range(8))
+    slots = ManagerSlots(seams.manager)
+    cache.begin_step()
+    (slot,) = slots.reserve(HOST, 1)
+    local = slot - seams.manager.space.base[HOST]
+    assert seams.manager.counters.dropped == 1
+    assert _valid(stamps) == [s for s in range(8) if s != local], "a reserved slot still reads as its old block"
+    slots.release(slot)
+    cache.end_step()
 
 
 def test_a_block_landed_in_the_host_tier_is_stamped_and_announced(holder):

@@ -173,14 +173,15 @@ class _Recorder:
     def __init__(self):
         self.events = []
 
-    def host_filled(self, slot):
-        self.events.append(("filled", slot))
+    def host_changed(self, emptied, filled):
+        flat = [[int(s) for p in parts for s in (p if isinstance(p, list) else p.tolist())]
+                for parts in (emptied, filled)]
+        self.events.append(tuple(flat))
 
-    def host_emptied(self, slot):
-        self.events.append(("emptied", slot))
 
-
-def test_the_host_observer_hears_every_host_slot_change_in_order():
+def test_the_host_observer_hears_every_host_slot_change_once_per_run():
+    """One call per run of moves (and per landed block), naming every host slot
+    emptied and filled, in the run's order."""
     from kvdist.blocks import GPU, HOST
     from kvdist.landing import ManagerSlots
     from kvdist.layout import KVLayout
@@ -199,22 +200,23 @@ def test_the_host_observer_hears_every_host_slot_change_in_order():
 
     run("a", 0)  # GPU 0, 1
     assert rec.events == []
-    run("b", 100)  # a's blocks offloaded to host 2, 3
-    assert rec.events == [("filled", 2), ("filled", 3)]
+    run("b", 100)  # a's blocks offloaded to host 2, 3: one run
+    assert rec.events == [([], [2, 3])]
     del rec.events[:]
     # b's blocks offloaded: host 2 demoted to disk 4, then host 3 too (disk 4 dropped).
     run("c", 200)
-    assert rec.events == [("emptied", 2), ("filled", 2), ("emptied", 3), ("filled", 3)]
+    assert rec.events == [([2, 3], [2, 3])]
     del rec.events[:]
     slots = ManagerSlots(m)
     m.begin_step()
     assert slots.reserve(HOST, 1) == [2]  # host 2 demoted (its bytes stay until reused)
+    assert rec.events == [([2], [])]
     assert slots.land(2, 12345)
-    assert rec.events == [("emptied", 2), ("filled", 2)]
+    assert rec.events == [([2], []), ([], [2])]
     del rec.events[:]
     [g] = slots.reserve(GPU, 1)  # GPU block offloaded into host 3, whose block is demoted
     slots.release(g)  # a GPU landing slot: nothing to hear
     m.end_step()
-    assert g == 1 and rec.events == [("emptied", 3), ("filled", 3)]
+    assert g == 1 and rec.events == [([3], [3])]
     assert m.counters.blocks_moved["demote"] == 4 and m.counters.dropped == 3
     m.check_invariants()

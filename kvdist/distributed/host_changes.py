@@ -1,14 +1,15 @@
 """The holder's side of the remote tier: what this rank's host tier tells the other
 replicas (docs/design.md, "Remote tier").
 
-The manager reports every host slot that gets or loses a block (``HostObserver``). The
-slot's stamp goes odd at once, before any copy into it can start (rule R2); the slot is
-remembered. Every few steps (``publish`` then ``send``, called by the remote tier at
-``end_step``) the slots filled whose copy is complete are stamped valid with their
-block's hash, and the slots changed since the last message go to the peers as
-directory records, each slot once however often it changed (rule R4's messages). Per
-change this costs one word written and two list appends; the rest is a handful of
-numpy operations per message, whatever the number of slots."""
+The manager's pool reports the host slots that got or lost a block (``HostObserver``),
+a run of moves at a time, before the run's copies reach the engine. Their stamps go odd
+at once, before any copy into them can start (rule R2); the slots are remembered.
+Every few steps (``publish`` then ``send``, called by the remote tier at ``end_step``)
+the slots filled whose copy is complete are stamped valid with their block's hash, and
+the slots changed since the last message go to the peers as directory records, each
+slot once however often it changed (rule R4's messages). A run costs one call, a word
+written per slot and three list appends; a message, a handful of numpy operations
+whatever the number of slots."""
 
 from __future__ import annotations
 
@@ -38,47 +39,46 @@ class HostChanges:
     def __init__(self, stamps: SlotStamps, slots: HostSlots, channel: DirectoryChannel):
         self.stamps, self.slots, self.channel = stamps, slots, channel
         self.host_base = slots.tier_base(HOST)
-        self._touched: list[int] = []  # local host slots changed since the last message (repeats)
-        self._filled: list[int] = []  # local host slots filled since the last publish (repeats)
-        self._waiting: list[int] = []  # filled, their copy still running at the last publish
+        # Global host slots, as parts (int lists, int64 arrays; repeats):
+        self._touched: list = []  # changed since the last message
+        self._filled: list = []  # filled since the last publish
+        self._waiting = np.zeros(0, dtype=np.int64)  # local: filled, their copy still running at the last publish
 
-    def host_filled(self, slot: int) -> None:
-        local = slot - self.host_base
-        self.stamps.invalidate_one(local)
-        self._touched.append(local)
-        self._filled.append(local)
-
-    def host_emptied(self, slot: int) -> None:
-        local = slot - self.host_base
-        self.stamps.invalidate_one(local)
-        self._touched.append(local)
+    def host_changed(self, emptied: list, filled: list) -> None:
+        self.stamps.invalidate_parts(emptied, self.host_base)  # R2: before any copy into them
+        self.stamps.invalidate_parts(filled, self.host_base)
+        self._touched += emptied
+        self._touched += filled
+        self._filled += filled
 
     def publish(self) -> None:
         """Stamp valid the host slots filled whose incoming copy is complete (one
         emptied again meanwhile stays invalid; one whose copy still runs waits)."""
-        if not (self._filled or self._waiting):
+        if not (self._filled or len(self._waiting)):
             return
-        fresh = set(self._filled)
-        fresh.update(self._waiting)
-        self._filled.clear()
-        local = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
+        local = np.unique(np.concatenate([_joined(self._filled) - self.host_base, self._waiting]))
+        self._filled = []
         slots = local + self.host_base
         cached = self.slots.cached(slots)
         local, slots = local[cached], slots[cached]
         pending = self.slots.writes_pending(slots)
         ready = ~pending
         self.stamps.publish(local[ready], *self.slots.stamps_of(slots[ready]))
-        self._waiting = local[pending].tolist()
+        self._waiting = local[pending]
 
     def send(self) -> None:
         """The host slots changed since the last message, as they are now, to every peer."""
         if not self._touched:
             return
-        touched = set(self._touched)
-        self._touched.clear()
-        local = np.fromiter(touched, dtype=np.int64, count=len(touched))
-        local.sort()
-        slots = local + self.host_base
+        slots = np.unique(_joined(self._touched))  # sorted
+        self._touched = []
+        local = slots - self.host_base
         held = self.slots.cached(slots)
         hi, lo = self.slots.stamps_of(slots)
         self.channel.send(encode(local, held, hi * held, lo * held))
+
+
+def _joined(parts: list) -> np.ndarray:
+    """The slots of ``parts`` (int lists, int arrays) as one int64 array."""
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else \
+        np.zeros(0, dtype=np.int64)

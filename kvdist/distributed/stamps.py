@@ -23,6 +23,7 @@ import numpy as np
 from ..storage.host import HostMemory, SharedMemoryUnavailable
 
 GEN, HI, LO = 0, 1, 2
+_NUMPY_FROM = 64  # slots: fewer are invalidated word by word (invalidate_parts)
 
 
 class SlotStamps:
@@ -49,6 +50,20 @@ class SlotStamps:
         """The slots' blocks are going: odd generations from now on (idempotent)."""
         g = self.arr[slots, GEN]
         self.arr[slots, GEN] = g | np.uint64(1)
+
+    def invalidate_parts(self, parts: list, base: int = 0) -> None:
+        """``invalidate`` of the slots ``parts`` name less ``base`` (int lists or int
+        arrays): a short part word by word (no numpy call), a long one with numpy."""
+        words, off = self._words, 3 * base - GEN
+        for part in parts:
+            if len(part) >= _NUMPY_FROM:
+                self.invalidate(np.subtract(part, base, dtype=np.int64))
+                continue
+            for s in part if type(part) is list else part.tolist():
+                at = 3 * s - off
+                g = words[at]
+                if not g & 1:
+                    words[at] = g + 1
 
     def invalidate_one(self, slot: int) -> None:
         """``invalidate`` of one slot, without a numpy call."""

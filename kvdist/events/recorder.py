@@ -1,17 +1,20 @@
-"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` that writes
-down, in order, what changed the blocks of the tiers during a step, as two flat typed
-arrays — no Python object per block or per change is kept: ``ops`` (unsigned 64-bit
-words) and ``toks`` (the registered blocks' token ids, int32). Each observer call
-appends to them in one or two C calls; ``take`` hands the step's pair over, and the
-publisher (``kvdist.events.process``: another process) copies their bytes as they are.
-Working out which block each change concerns, and building and encoding the events,
-is the builder's (``kvdist.events.batcher``), off the step's path.
+"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` that turns
+what changed the blocks of the tiers during a step into two flat typed arrays — no
+Python object per block or per change is kept: ``ops`` (unsigned 64-bit words) and
+``toks`` (the registered blocks' token ids, int32). The pool and the manager append
+each change to the recorder's ``log`` as they make it, with no call (the entries are
+``BlockObserver``'s); ``take``, once a step, writes the step's entries into the pair
+and hands it over, and the publisher (``kvdist.events.process``: another process)
+copies their bytes as they are. Working out which block each change concerns, and
+building and encoding the events, is the builder's (``kvdist.events.batcher``), off
+the step's path.
 
-What the builder cannot work out later is captured now (the slots are reused): a
-registration's slots and token ids, the 128-bit hash of the block before its first
-(from which the builder chains the registered blocks' hashes as the manager did), and a
-landed block's wire hash. Moves and drops name slots alone: the builder follows each
-block from slot to slot in its own copy of the slots' hashes.
+What the builder cannot work out later is captured in the log (the slots are reused):
+a registration's slots and token ids (the sequence's own lists, which only grow), the
+128-bit hash of the block before its first (from which the builder chains the
+registered blocks' hashes as the manager did), and a landed block's wire hash. Moves
+and drops name slots alone: the builder follows each block from slot to slot in its
+own copy of the slots' hashes.
 
 ``ops`` starts with three header words — its own length in words, the number of
 ``toks``, the time of ``take`` (ns since the epoch) — filled in by ``take``: a step's
@@ -36,6 +39,7 @@ import time
 from array import array
 from collections.abc import Iterator
 
+from ..block_pool import LOG_DROPPED, LOG_REGISTERED
 from ..blocks import BlockMeta
 
 __all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
@@ -51,53 +55,54 @@ _EMPTY: StepRecords = (_BLANK, array("i"))
 
 
 class BlockRecorder:
-    """Records what changes the tiers' blocks (see the module docstring). Driven by the
-    manager's pool on the scheduler thread; ``take`` hands the records of a step over
-    and starts the next."""
+    """Records what changes the tiers' blocks (see the module docstring): the manager's
+    pool appends to ``log`` on the scheduler thread; ``take`` hands the records of a
+    step over and starts the next."""
 
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
-        self._hi, self._lo = meta.hi_mv, meta.lo_mv  # a block's 128-bit hash; the low half: its wire hash
         self._tpb = tokens_per_block
-        self._ops = _BLANK[:]
-        self._toks = array("i")
+        self.log: list = []  # BlockObserver's: the changes since the last take, oldest first
+        self._cleared = False
 
-    # -- the BlockObserver protocol --------------------------------------------------------------
-    def registered(self, slots: list[int], tokens: array, start: int, end: int) -> None:
-        ops = self._ops
-        if start:
-            p = slots[start - 1]
-            ops.extend((REGISTERED, end - start, 1, self._hi[p], self._lo[p]))
-        else:
-            ops.extend((REGISTERED, end - start, 0, 0, 0))
-        ops.extend(slots[start:end])
-        self._toks.extend(tokens[start * self._tpb : end * self._tpb])
-
-    def moved(self, srcs: list[int], dsts: list[int]) -> None:
-        ops = self._ops
-        ops.extend((MOVED, len(srcs)))
-        ops.extend(srcs)
-        ops.extend(dsts)
-
-    def dropped(self, slot: int, after: int) -> None:
-        self._ops.extend((DROPPED, slot, after))
-
-    def landed(self, slot: int) -> None:
-        self._ops.extend((LANDED, slot, self._lo[slot]))
-
-    # -- steps -------------------------------------------------------------------------------------
     def cleared(self) -> None:
-        """Every block is gone (the cache closes)."""
-        self._ops.append(CLEARED)
+        """Every block is gone (the cache closes): the last record of the next ``take``."""
+        self._cleared = True
 
     def take(self) -> StepRecords:
         """The records since the last call, ``(ops, toks)``, the header filled in
         (``ops`` of the header alone when nothing changed: do not send it)."""
-        ops, toks = self._ops, self._toks
-        if len(ops) == HEADER_WORDS:
+        log = self.log
+        if not log and not self._cleared:
             return _EMPTY
+        ops, toks, tpb = _BLANK[:], array("i"), self._tpb
+        for e in log:
+            if type(e) is list:  # a run of moves: its segments (route, srcs, dsts)
+                ops.extend((MOVED, sum(len(m[1]) for m in e)))
+                for m in e:
+                    _put(ops, m[1])
+                for m in e:
+                    _put(ops, m[2])
+            elif e[0] == LOG_REGISTERED:
+                _, slots, tokens, start, end, hi, lo = e
+                ops.extend((REGISTERED, end - start, 1, hi, lo) if start else (REGISTERED, end - start, 0, 0, 0))
+                ops.extend(slots[start:end])
+                toks.extend(tokens[start * tpb : end * tpb])
+            else:
+                ops.extend((DROPPED if e[0] == LOG_DROPPED else LANDED, e[1], e[2]))
+        log.clear()
+        if self._cleared:
+            ops.append(CLEARED)
+            self._cleared = False
         ops[0], ops[1], ops[2] = len(ops), len(toks), time.time_ns()
-        self._ops, self._toks = _BLANK[:], array("i")
         return ops, toks
+
+
+def _put(ops: array, part) -> None:
+    """Slot ids (an int list, or an int64 array: its bytes as they are) onto ``ops``."""
+    if type(part) is list:
+        ops.extend(part)
+    else:
+        ops.frombytes(part.tobytes())
 
 
 def step_time(ops: array | memoryview) -> float:
