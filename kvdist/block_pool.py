@@ -28,16 +28,17 @@ No Python hook runs per block change. When host slots get or lose their blocks,
 ``host_observer`` hears it once per ``submit_moves``, before its copies reach the engine
 (``_tell_host``: the run's host sources and destinations, read off its routes, and the
 host drops since the last call), and once per block landed in the host tier. When a
-cached block enters, moves between or leaves the tiers, the change is appended to
-``block_log`` as it is (the KV cache events, ``kvdist.events``, read it once a step):
-a run of moves is the list of its segments, handed over whole at ``submit_moves``; a
-drop, a landing and the manager's registrations are one tuple each (``LOG_DROPPED``,
-``LOG_LANDED``, ``LOG_REGISTERED``, below). With no observer, each costs one test per
-run or drop."""
+cached block enters, moves between or leaves the tiers, its words are appended to
+the block observer's typed arrays (the KV cache events, ``kvdist.events``, take them
+once a step): a run's sources and destinations, gathered into two u64 arrays as the
+moves are made, go at ``submit_moves``; a drop, a landing and a registration
+(``log_registered``, the manager's) as they happen (``BlockObserver`` has the
+words). With no observer, this costs one test per move, run or drop."""
 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,8 +64,8 @@ from .prefix import MASK64, VECTOR_FROM, PrefixIndex
 from .recompute_policy import RecomputePolicy
 from .transfer import PROMOTE, Route, TransferEngine, route
 
-__all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_REGISTERED", "BlockObserver", "BlockPool", "HostObserver",
-           "PoolSnapshot"]
+__all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_MOVED", "LOG_REGISTERED", "BlockObserver", "BlockPool",
+           "HostObserver", "PoolSnapshot"]
 
 _COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
 
@@ -91,8 +92,8 @@ class HostObserver(Protocol):
         are in place. The parts are the observer's from then on."""
 
 
-# The block log's entries (``BlockObserver.log``) other than a run of moves (a list).
-LOG_REGISTERED, LOG_DROPPED, LOG_LANDED = range(3)
+# The opcodes of the block log (``BlockObserver.ops``).
+LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED = range(4)
 
 
 class BlockObserver(Protocol):
@@ -100,26 +101,26 @@ class BlockObserver(Protocol):
     a block's hash is in meta). Blocks enter on the GPU (registered by the manager) or
     land from another replica, move between tiers, and leave when dropped.
 
-    Nothing is called per change: the pool and the manager append each change to
-    ``log``, in order, as they make it, and the observer reads (and clears) it once a
-    step. An entry is one of:
+    Nothing is called per change: the pool appends each change's words to ``ops``
+    (u64) and a registration's token ids to ``toks`` (an int32 array each), in order,
+    as it makes it, and the observer takes them once a step. Each change is an opcode
+    and its words:
 
-    * a ``list``: a run of moves handed to the engine at once (``submit_moves``), its
-      segments ``(route, srcs, dsts)`` in order (int lists or int64 arrays, the
-      observer's from then on): the cached block of each source now lives in the
+    * ``LOG_REGISTERED n p hi lo slot*n``: blocks ``start .. end-1`` of a sequence were
+      registered in the GPU ``slots`` (``n`` of them; their ``n * tokens_per_block``
+      token ids the next array of ``toks``): those now CACHED entered the cache, the others were
+      cached already; chained from the 128-bit hash ``hi << 64 | lo`` of the block
+      before (``p`` = 1), or from the layout's salt (``p`` = 0, ``hi`` = ``lo`` = 0);
+    * ``LOG_MOVED n src*n dst*n``: a run of moves handed to the engine at once
+      (``submit_moves``), in order: the cached block of each source now lives in the
       destination of the same index;
-    * ``(LOG_REGISTERED, slots, tokens, start, end, hi, lo)``: blocks ``start .. end-1``
-      of a sequence were registered: ``slots[start:end]`` (GPU slots) and
-      ``tokens[start * tokens_per_block : end * tokens_per_block]`` (int32): those now
-      CACHED entered the cache, the others were cached already. ``slots`` and
-      ``tokens`` are the sequence's own, which only ever grow: read them by then.
-      ``hi``/``lo``: the 128-bit hash of block ``start - 1`` (0, 0 when ``start`` is 0);
-    * ``(LOG_DROPPED, slot, after)``: the cached block of ``slot`` left the cache, after
-      the first ``after`` moves of the run the next list entry holds;
-    * ``(LOG_LANDED, slot, lo)``: ``slot`` holds a cached block fetched from another
+    * ``LOG_DROPPED slot after``: the cached block of ``slot`` left the cache, after the
+      first ``after`` moves of the next ``LOG_MOVED``;
+    * ``LOG_LANDED slot lo``: ``slot`` holds a cached block fetched from another
       replica, the low half of its hash ``lo``."""
 
-    log: list
+    ops: array
+    toks: list[array]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,10 @@ class BlockPool:
         self.host_observer: HostObserver | None = None
         self._host_dropped: list[int] = []  # host slots dropped since the last submit_moves
         self._block_observer: BlockObserver | None = None
-        self.block_log: list | None = None  # the block observer's log (None: nobody's)
+        self.block_log: array | None = None  # the block observer's ops (None: nobody's)
+        self._log_toks: list[array] = []  # ... and its toks
+        self._log_srcs: array | None = None  # the pending run's moves, for the log (u64)
+        self._log_dsts = array("Q")
         self.generation = 0  # grows with every change (see the module docstring)
         self.batch_moves = True  # runs of moves at once (see the module docstring)
         self.transfer_seconds = 0.0  # handing moves to the engine
@@ -183,8 +187,25 @@ class BlockPool:
 
     @block_observer.setter
     def block_observer(self, observer: BlockObserver | None) -> None:
+        assert not self._moves, "block observer changed while moves are pending"
         self._block_observer = observer
-        self.block_log = None if observer is None else observer.log
+        self.block_log = None if observer is None else observer.ops
+        self._log_toks = [] if observer is None else observer.toks
+        self._log_srcs, self._log_dsts = None if observer is None else array("Q"), array("Q")
+
+    def log_registered(self, slots: list[int], start: int, end: int, tokens: array) -> None:
+        """Blocks ``start .. end-1`` of a sequence (GPU ``slots``) were registered, their
+        int32 token ids ``tokens`` (a copy, the observer's): their words for the block observer (set), the hash
+        of the block before the first read now (its slot may be reused before the
+        observer reads)."""
+        ops = self.block_log
+        if start:
+            p = slots[start - 1]
+            ops.extend((LOG_REGISTERED, end - start, 1, self.meta.hi_mv[p], self.meta.lo_mv[p]))
+        else:
+            ops.extend((LOG_REGISTERED, end - start, 0, 0, 0))
+        ops.extend(slots[start:end])
+        self._log_toks.append(tokens)
 
     # -- counts ----------------------------------------------------------------------------------
     def free_count(self, tier: int) -> int:
@@ -317,11 +338,13 @@ class BlockPool:
         meta.state_mv[src] = FREE
         self.free[along.src].push(src)
         self.counters.blocks_moved[along.name] += 1
+        if self._log_srcs is not None:
+            self._log_srcs.append(src)
+            self._log_dsts.append(dst)
 
     def move_run(self, srcs: list[int], dsts: list[int], along: Route) -> None:
         """``move`` of each pair, in order, at once (``batch_moves``); the slots of
-        ``srcs`` and ``dsts`` are distinct. The pool keeps int64 arrays as they are
-        (the block log hands them on): the caller does not change them afterwards."""
+        ``srcs`` and ``dsts`` are distinct."""
         if not self.batch_moves or len(srcs) < 2:
             for s, d in zip(_as_list([srcs]), _as_list([dsts]), strict=True):
                 self.move(s, d, along)
@@ -338,6 +361,9 @@ class BlockPool:
         meta.state[si] = FREE
         self.free[along.src].push_many(si)
         self.counters.blocks_moved[along.name] += len(srcs)
+        if self._log_srcs is not None:
+            self._log_srcs.frombytes(si.tobytes())  # slot ids are never negative
+            self._log_dsts.frombytes(di.tobytes())
 
     def submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order:
@@ -360,8 +386,13 @@ class BlockPool:
                               for k in (1, 2))
                     self._queue_copies(part[0][0], *joined)
                 start = i
-        if self.block_log is not None:  # the run, handed over whole
-            self.block_log.append(moves)
+        ops = self.block_log
+        if ops is not None:  # the run, handed over whole
+            srcs, dsts = self._log_srcs, self._log_dsts
+            ops.extend((LOG_MOVED, len(srcs)))
+            ops.extend(srcs)
+            ops.extend(dsts)
+            del srcs[:], dsts[:]
         self._moves = []
         self._pending = 0
         self.transfer_seconds += time.perf_counter() - t0
@@ -460,7 +491,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self._host_dropped.append(slot)  # told at the next submit_moves
         if self.block_log is not None:
-            self.block_log.append((LOG_DROPPED, slot, self._pending))
+            self.block_log.extend((LOG_DROPPED, slot, self._pending))
 
     def _offload_slot(self) -> int:
         """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
@@ -546,7 +577,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self.host_observer.host_changed([], [[slot]])
         if self.block_log is not None:
-            self.block_log.append((LOG_LANDED, slot, meta.lo_mv[slot]))
+            self.block_log.extend((LOG_LANDED, slot, meta.lo_mv[slot]))
         return True
 
     def release(self, slot: int) -> None:

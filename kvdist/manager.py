@@ -29,7 +29,7 @@ import numpy as np
 
 from . import manager_checks
 from .admission_plan import AdmissionPlan
-from .block_pool import LOG_REGISTERED, BlockPool, HostObserver
+from .block_pool import BlockPool, HostObserver
 from .blocks import DISK, GPU, HOST, TIER_NAMES, BlockMeta, SlotSpace
 from .counters import CacheCounters
 from .errors import OutOfBlocksError
@@ -364,13 +364,8 @@ class CacheManager:
             seq.parent = digests[-1].tobytes()
         start = seq.num_indexed
         self.pool.register(slots[start:full])
-        log = self.pool.block_log
-        if log is not None:  # the hash of the block before the first now: its slot may be reused
-            hi = lo = 0
-            if start:
-                p = slots[start - 1]
-                hi, lo = self.meta.hi_mv[p], self.meta.lo_mv[p]
-            log.append((LOG_REGISTERED, slots, seq.tokens, start, full, hi, lo))
+        if self.pool.block_log is not None:
+            self.pool.log_registered(slots, start, full, seq.tokens[start * self.tpb : full * self.tpb])
         seq.num_indexed = full
 
     def _write_hashes(self, slots, digests: np.ndarray) -> None:

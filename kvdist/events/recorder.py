@@ -1,20 +1,19 @@
-"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` that turns
-what changed the blocks of the tiers during a step into two flat typed arrays — no
-Python object per block or per change is kept: ``ops`` (unsigned 64-bit words) and
-``toks`` (the registered blocks' token ids, int32). The pool and the manager append
-each change to the recorder's ``log`` as they make it, with no call (the entries are
-``BlockObserver``'s); ``take``, once a step, writes the step's entries into the pair
-and hands it over, and the publisher (``kvdist.events.process``: another process)
-copies their bytes as they are. Working out which block each change concerns, and
-building and encoding the events, is the builder's (``kvdist.events.batcher``), off
-the step's path.
+"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` whose two
+flat typed arrays hold what changed the blocks of the tiers during a step — no Python
+object per block or per change is kept: ``ops`` (unsigned 64-bit words) and ``toks``
+(the registered blocks' token ids, int32). The manager's pool writes each change's
+words into them as it makes it, with no call into the recorder (the opcodes are
+``BlockObserver``'s, which this module re-exports); ``take``, once a step, fills in
+the header and hands the step's pair over, and the publisher
+(``kvdist.events.process``: another process) copies their bytes as they are. Working
+out which block each change concerns, and building and encoding the events, is the
+builder's (``kvdist.events.batcher``), off the step's path.
 
-What the builder cannot work out later is captured in the log (the slots are reused):
-a registration's slots and token ids (the sequence's own lists, which only grow), the
-128-bit hash of the block before its first (from which the builder chains the
-registered blocks' hashes as the manager did), and a landed block's wire hash. Moves
-and drops name slots alone: the builder follows each block from slot to slot in its
-own copy of the slots' hashes.
+What the builder cannot work out later is captured by the pool (the slots are
+reused): a registration's slots and token ids, the 128-bit hash of the block before
+its first (from which the builder chains the registered blocks' hashes as the manager
+did), and a landed block's wire hash. Moves and drops name slots alone: the builder
+follows each block from slot to slot in its own copy of the slots' hashes.
 
 ``ops`` starts with three header words — its own length in words, the number of
 ``toks``, the time of ``take`` (ns since the epoch) — filled in by ``take``: a step's
@@ -39,13 +38,14 @@ import time
 from array import array
 from collections.abc import Iterator
 
-from ..block_pool import LOG_DROPPED, LOG_REGISTERED
+from ..block_pool import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED
 from ..blocks import BlockMeta
 
 __all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
            "StepRecords", "records", "step_time"]
 
-REGISTERED, MOVED, DROPPED, LANDED, CLEARED = range(5)
+REGISTERED, MOVED, DROPPED, LANDED = LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED  # the pool writes them
+CLEARED = 4
 
 Record = tuple
 StepRecords = tuple  # (ops: array("Q"), toks: array("i")) of one step
@@ -56,12 +56,12 @@ _EMPTY: StepRecords = (_BLANK, array("i"))
 
 class BlockRecorder:
     """Records what changes the tiers' blocks (see the module docstring): the manager's
-    pool appends to ``log`` on the scheduler thread; ``take`` hands the records of a
-    step over and starts the next."""
+    pool appends to ``ops`` and ``toks`` on the scheduler thread; ``take`` hands the
+    records of a step over and starts the next."""
 
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
-        self._tpb = tokens_per_block
-        self.log: list = []  # BlockObserver's: the changes since the last take, oldest first
+        self.ops = _BLANK[:]  # BlockObserver's: the words since the last take, the header first
+        self.toks: list[array] = []  # ... and the registrations' token ids
         self._cleared = False
 
     def cleared(self) -> None:
@@ -71,38 +71,22 @@ class BlockRecorder:
     def take(self) -> StepRecords:
         """The records since the last call, ``(ops, toks)``, the header filled in
         (``ops`` of the header alone when nothing changed: do not send it)."""
-        log = self.log
-        if not log and not self._cleared:
+        ops, parts = self.ops, self.toks
+        if len(ops) == HEADER_WORDS and not self._cleared:
             return _EMPTY
-        ops, toks, tpb = _BLANK[:], array("i"), self._tpb
-        for e in log:
-            if type(e) is list:  # a run of moves: its segments (route, srcs, dsts)
-                ops.extend((MOVED, sum(len(m[1]) for m in e)))
-                for m in e:
-                    _put(ops, m[1])
-                for m in e:
-                    _put(ops, m[2])
-            elif e[0] == LOG_REGISTERED:
-                _, slots, tokens, start, end, hi, lo = e
-                ops.extend((REGISTERED, end - start, 1, hi, lo) if start else (REGISTERED, end - start, 0, 0, 0))
-                ops.extend(slots[start:end])
-                toks.extend(tokens[start * tpb : end * tpb])
-            else:
-                ops.extend((DROPPED if e[0] == LOG_DROPPED else LANDED, e[1], e[2]))
-        log.clear()
         if self._cleared:
             ops.append(CLEARED)
             self._cleared = False
-        ops[0], ops[1], ops[2] = len(ops), len(toks), time.time_ns()
-        return ops, toks
-
-
-def _put(ops: array, part) -> None:
-    """Slot ids (an int list, or an int64 array: its bytes as they are) onto ``ops``."""
-    if type(part) is list:
-        ops.extend(part)
-    else:
-        ops.frombytes(part.tobytes())
+        out = ops[:]  # the pool keeps appending to ops
+        del ops[HEADER_WORDS:]
+        if len(parts) == 1:
+            toks = parts[0]
+        else:  # one copy each (an array grown part by part is copied again at each growth)
+            toks = array("i")
+            toks.frombytes(b"".join(parts))
+        parts.clear()
+        out[0], out[1], out[2] = len(out), len(toks), time.time_ns()
+        return out, toks
 
 
 def step_time(ops: array | memoryview) -> float:
