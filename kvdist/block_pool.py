@@ -84,12 +84,12 @@ class HostObserver(Protocol):
     """Who must know when host slots get or lose their blocks (the remote tier's stamps,
     rule R2): told once per run of moves, before its copies reach the engine."""
 
-    def host_changed(self, emptied: list, filled: list) -> None:
+    def host_changed(self, emptied: list[int], filled: list[int]) -> None:
         """Host slots (global ids) lost their blocks (``emptied``) and got cached blocks
-        (``filled``) since the last call: each a list of parts, int lists or int64 arrays
-        (a slot may be in both, and more than once). No copy into a filled slot, nor
-        into an emptied one reused, has reached the engine yet; a landed block's bytes
-        are in place. The parts are the observer's from then on."""
+        (``filled``) since the last call (a slot may be in both, and more than once).
+        No copy into a filled slot, nor into an emptied one reused, has reached the
+        engine yet; a landed block's bytes are in place. The lists are the observer's
+        from then on."""
 
 
 # The opcodes of the block log (``BlockObserver.ops``).
@@ -410,13 +410,12 @@ class BlockPool:
     def _tell_host(self, moves: list) -> None:
         """Hand the host observer (set) the host slots ``moves`` empty and fill (by their
         routes) and those dropped since the last call, in one call."""
-        emptied: list = [self._host_dropped] if self._host_dropped else []
-        filled: list = []
+        emptied, filled = self._host_dropped, []
         for along, srcs, dsts in moves:
             if along.src == HOST:
-                emptied.append(srcs)
+                emptied += srcs if type(srcs) is list else srcs.tolist()
             if along.dst == HOST:
-                filled.append(dsts)
+                filled += dsts if type(dsts) is list else dsts.tolist()
         self._host_dropped = []
         if emptied or filled:
             self.host_observer.host_changed(emptied, filled)
@@ -575,7 +574,7 @@ class BlockPool:
         meta.prio_mv[slot] = priority
         self.lru[self.space.tier_of(slot)].push(slot)
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
-            self.host_observer.host_changed([], [[slot]])
+            self.host_observer.host_changed([], [slot])
         if self.block_log is not None:
             self.block_log.extend((LOG_LANDED, slot, meta.lo_mv[slot]))
         return True

@@ -174,9 +174,7 @@ class _Recorder:
         self.events = []
 
     def host_changed(self, emptied, filled):
-        flat = [[int(s) for p in parts for s in (p if isinstance(p, list) else p.tolist())]
-                for parts in (emptied, filled)]
-        self.events.append(tuple(flat))
+        self.events.append((list(emptied), list(filled)))
 
 
 def test_the_host_observer_hears_every_host_slot_change_once_per_run():

@@ -8,7 +8,7 @@ Every few steps (``publish`` then ``send``, called by the remote tier at ``end_s
 the slots filled whose copy is complete are stamped valid with their block's hash, and
 the slots changed since the last message go to the peers as directory records, each
 slot once however often it changed (rule R4's messages). A run costs one call, a word
-written per slot and three list appends; a message, a handful of numpy operations
+written per slot and three list extensions; a message, a handful of numpy operations
 whatever the number of slots."""
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ class HostChanges:
     def __init__(self, stamps: SlotStamps, slots: HostSlots, channel: DirectoryChannel):
         self.stamps, self.slots, self.channel = stamps, slots, channel
         self.host_base = slots.tier_base(HOST)
-        # Global host slots, as parts (int lists, int64 arrays; repeats):
-        self._touched: list = []  # changed since the last message
-        self._filled: list = []  # filled since the last publish
-        self._waiting = np.zeros(0, dtype=np.int64)  # local: filled, their copy still running at the last publish
+        # Global host slots (repeats): changed since the last message; filled since the
+        # last publish; filled, their copy still running at the last publish.
+        self._touched: list[int] = []
+        self._filled: list[int] = []
+        self._waiting: list[int] = []
 
-    def host_changed(self, emptied: list, filled: list) -> None:
-        self.stamps.invalidate_parts(emptied, self.host_base)  # R2: before any copy into them
-        self.stamps.invalidate_parts(filled, self.host_base)
+    def host_changed(self, emptied: list[int], filled: list[int]) -> None:
+        self.stamps.invalidate_slots(emptied, self.host_base)  # R2: before any copy into them
+        self.stamps.invalidate_slots(filled, self.host_base)
         self._touched += emptied
         self._touched += filled
         self._filled += filled
@@ -54,31 +55,26 @@ class HostChanges:
     def publish(self) -> None:
         """Stamp valid the host slots filled whose incoming copy is complete (one
         emptied again meanwhile stays invalid; one whose copy still runs waits)."""
-        if not (self._filled or len(self._waiting)):
+        if not (self._filled or self._waiting):
             return
-        local = np.unique(np.concatenate([_joined(self._filled) - self.host_base, self._waiting]))
-        self._filled = []
-        slots = local + self.host_base
-        cached = self.slots.cached(slots)
-        local, slots = local[cached], slots[cached]
+        fresh = set(self._filled)
+        fresh.update(self._waiting)
+        self._filled.clear()
+        slots = np.fromiter(fresh, dtype=np.int64, count=len(fresh))
+        slots = slots[self.slots.cached(slots)]
         pending = self.slots.writes_pending(slots)
-        ready = ~pending
-        self.stamps.publish(local[ready], *self.slots.stamps_of(slots[ready]))
-        self._waiting = local[pending]
+        ready = slots[~pending]
+        self.stamps.publish(ready - self.host_base, *self.slots.stamps_of(ready))
+        self._waiting = slots[pending].tolist()
 
     def send(self) -> None:
         """The host slots changed since the last message, as they are now, to every peer."""
         if not self._touched:
             return
-        slots = np.unique(_joined(self._touched))  # sorted
-        self._touched = []
-        local = slots - self.host_base
+        touched = set(self._touched)
+        self._touched.clear()
+        slots = np.fromiter(touched, dtype=np.int64, count=len(touched))
+        slots.sort()
         held = self.slots.cached(slots)
         hi, lo = self.slots.stamps_of(slots)
-        self.channel.send(encode(local, held, hi * held, lo * held))
-
-
-def _joined(parts: list) -> np.ndarray:
-    """The slots of ``parts`` (int lists, int arrays) as one int64 array."""
-    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else \
-        np.zeros(0, dtype=np.int64)
+        self.channel.send(encode(slots - self.host_base, held, hi * held, lo * held))

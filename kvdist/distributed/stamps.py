@@ -23,7 +23,7 @@ import numpy as np
 from ..storage.host import HostMemory, SharedMemoryUnavailable
 
 GEN, HI, LO = 0, 1, 2
-_NUMPY_FROM = 64  # slots: fewer are invalidated word by word (invalidate_parts)
+_NUMPY_FROM = 256  # slots: fewer are invalidated word by word (invalidate_slots: cheaper up to here)
 
 
 class SlotStamps:
@@ -43,27 +43,29 @@ class SlotStamps:
         if not attach:
             self.arr[:, GEN] = 1  # every slot starts empty
         self._words = memoryview(self.arr.reshape(-1))  # the owner's per-slot writes, no numpy call
+        self._gen = self.arr[:, GEN]  # a view: the owner's writes of many slots
         self.shared_path = shared_path
 
     # -- the owner's side ---------------------------------------------------------------------
     def invalidate(self, slots) -> None:
         """The slots' blocks are going: odd generations from now on (idempotent)."""
-        g = self.arr[slots, GEN]
-        self.arr[slots, GEN] = g | np.uint64(1)
+        gen = self._gen
+        gen[slots] = gen[slots] | np.uint64(1)
 
-    def invalidate_parts(self, parts: list, base: int = 0) -> None:
-        """``invalidate`` of the slots ``parts`` name less ``base`` (int lists or int
-        arrays): a short part word by word (no numpy call), a long one with numpy."""
+    def invalidate_slots(self, slots: list[int], base: int = 0) -> None:
+        """``invalidate`` of ``slots`` less ``base``: a few word by word (no numpy
+        call), more with numpy (a handful of calls, whatever their number)."""
+        if len(slots) >= _NUMPY_FROM:
+            at = np.array(slots, dtype=np.int64)
+            at -= base
+            self.invalidate(at)
+            return
         words, off = self._words, 3 * base - GEN
-        for part in parts:
-            if len(part) >= _NUMPY_FROM:
-                self.invalidate(np.subtract(part, base, dtype=np.int64))
-                continue
-            for s in part if type(part) is list else part.tolist():
-                at = 3 * s - off
-                g = words[at]
-                if not g & 1:
-                    words[at] = g + 1
+        for s in slots:
+            at = 3 * s - off
+            g = words[at]
+            if not g & 1:
+                words[at] = g + 1
 
     def invalidate_one(self, slot: int) -> None:
         """``invalidate`` of one slot, without a numpy call."""
@@ -112,7 +114,7 @@ class SlotStamps:
 
     def close(self) -> None:
         self._words.release()
-        self.arr = None
+        self.arr = self._gen = None
         if self._memory is not None:
             self._memory.close()
             self._memory = None

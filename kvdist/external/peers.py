@@ -135,7 +135,7 @@ class PeerTier:
         stamp goes odd now, before the copy is issued (R2), valid again at a publish
         after the copy completed."""
         self._hi[slot], self._lo[slot], self._cached[slot] = h >> 64, h & MASK64, True
-        self.host.host_changed([], [[slot]])
+        self.host.host_changed([], [slot])
 
     # -- the planner's lookups (PeerLookup) -----------------------------------------------------------
     def holders(self, hashes: list[int]) -> list[tuple[int, int]]:
