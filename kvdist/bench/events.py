@@ -15,8 +15,8 @@ a process beside it that keeps a CPU busy — on a machine of few cores (the dev
 two) a process on the other core slows the step thread's CPU as the publisher's own
 work does, whatever it is. Last, the events' own call on the step thread, each step's hand-over
 timed (the cache's publisher): what the events' code itself takes of the step, whatever
-else runs on the machine, but for the log's appends (one a run of moves, drop or
-registration). The replay never lets go of the interpreter (no GPU to wait for): the worst
+else runs on the machine, but for the pool's writes of each change's words inside the
+cache's calls. The replay never lets go of the interpreter (no GPU to wait for): the worst
 case for a thread beside it. Only bookkeeping is timed: no tensors, no copies (the
 transfer engine still orders every move). The step thread's CPU time is the figure
 (``time.thread_time``); the publisher's own CPU (its thread's, or its process's) is
@@ -67,13 +67,13 @@ class _Driver:
 class _Timed:
     """The step's hand-over timed (``time.perf_counter_ns`` around it, the pair's own
     cost taken off): the CPU the events' code itself takes on the step thread,
-    whatever else runs on the machine — all of it but the appends to the block log,
-    one list append a run, drop or registration inside the pool's and the manager's
-    calls (``BlockObserver``), too short to time apart."""
+    whatever else runs on the machine — all of it but the pool's writes of each
+    change's words (``BlockObserver``), inside the cache's calls, too short to time
+    apart."""
 
     def __init__(self, recorder, end_step):
         self.ns, self.calls = 0, 0
-        self.log = recorder.log  # the pool appends to the recorder's log
+        self.ops, self.toks = recorder.ops, recorder.toks  # the pool writes into the recorder's
         self.end_step = self._timed(end_step)
 
     def _timed(self, f):
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
               "sends before the subscriber has reconnected is lost to it)")
     own_us = min(direct)
     print(f"the events' own call on the step thread (the records taken and handed to the process, timed "
-          f"each step, best of {args.repeat}; the log's appends inside the cache's calls not included): "
+          f"each step, best of {args.repeat}; the pool's writes inside the cache's calls not included): "
           f"{own_us:.2f} µs a step, {own_us / cpu[OFF] * 100:.2f}% of the step with events off")
 
     def pct(e: str) -> str:
