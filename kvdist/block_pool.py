@@ -40,10 +40,10 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from .block_observers import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED, BlockObserver, HostObserver
 from .blocks import (
     ACTIVE,
     CACHED,
@@ -78,49 +78,6 @@ def _as_list(parts: list) -> list[int]:
     for p in parts:
         out.extend(p if isinstance(p, list) else p.tolist())
     return out
-
-
-class HostObserver(Protocol):
-    """Who must know when host slots get or lose their blocks (the remote tier's stamps,
-    rule R2): told once per run of moves, before its copies reach the engine."""
-
-    def host_changed(self, emptied: list[int], filled: list[int]) -> None:
-        """Host slots (global ids) lost their blocks (``emptied``) and got cached blocks
-        (``filled``) since the last call (a slot may be in both, and more than once).
-        No copy into a filled slot, nor into an emptied one reused, has reached the
-        engine yet; a landed block's bytes are in place. The lists are the observer's
-        from then on."""
-
-
-# The opcodes of the block log (``BlockObserver.ops``).
-LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED = range(4)
-
-
-class BlockObserver(Protocol):
-    """Who must know which cached block each slot of every tier holds (global slot ids;
-    a block's hash is in meta). Blocks enter on the GPU (registered by the manager) or
-    land from another replica, move between tiers, and leave when dropped.
-
-    Nothing is called per change: the pool appends each change's words to ``ops``
-    (u64) and a registration's token ids to ``toks`` (an int32 array each), in order,
-    as it makes it, and the observer takes them once a step. Each change is an opcode
-    and its words:
-
-    * ``LOG_REGISTERED n p hi lo slot*n``: blocks ``start .. end-1`` of a sequence were
-      registered in the GPU ``slots`` (``n`` of them; their ``n * tokens_per_block``
-      token ids the next array of ``toks``): those now CACHED entered the cache, the others were
-      cached already; chained from the 128-bit hash ``hi << 64 | lo`` of the block
-      before (``p`` = 1), or from the layout's salt (``p`` = 0, ``hi`` = ``lo`` = 0);
-    * ``LOG_MOVED n src*n dst*n``: a run of moves handed to the engine at once
-      (``submit_moves``), in order: the cached block of each source now lives in the
-      destination of the same index;
-    * ``LOG_DROPPED slot after``: the cached block of ``slot`` left the cache, after the
-      first ``after`` moves of the next ``LOG_MOVED``;
-    * ``LOG_LANDED slot lo``: ``slot`` holds a cached block fetched from another
-      replica, the low half of its hash ``lo``."""
-
-    ops: array
-    toks: list[array]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +152,9 @@ class BlockPool:
 
     def log_registered(self, slots: list[int], start: int, end: int, tokens: array) -> None:
         """Blocks ``start .. end-1`` of a sequence (GPU ``slots``) were registered, their
-        int32 token ids ``tokens`` (a copy, the observer's): their words for the block observer (set), the hash
-        of the block before the first read now (its slot may be reused before the
-        observer reads)."""
+        int32 token ids ``tokens`` (a copy, the observer's from then on): their words for
+        the block observer (set), the hash of the block before the first read now (its
+        slot may be reused before the observer reads)."""
         ops = self.block_log
         if start:
             p = slots[start - 1]

@@ -196,7 +196,7 @@ def test_a_host_slot_reserved_for_a_landing_is_odd_once_reserved(holder):
     (slot,) = slots.reserve(HOST, 1)
     local = slot - seams.manager.space.base[HOST]
     assert seams.manager.counters.dropped == 1
-    assert _valid(stamps) == [s for s in range(8) if s != local], "a reserved slot still reads as its old block"
+    assert _valid(stamps) == [s for s in range(8) if s != local], "a reserved slot reads as its old block"
     slots.release(slot)
     cache.end_step()
 

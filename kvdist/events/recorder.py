@@ -44,7 +44,8 @@ from ..blocks import BlockMeta
 __all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
            "StepRecords", "records", "step_time"]
 
-REGISTERED, MOVED, DROPPED, LANDED = LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED  # the pool writes them
+# The pool writes the words of these four (BlockObserver); CLEARED is the recorder's own.
+REGISTERED, MOVED, DROPPED, LANDED = LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED
 CLEARED = 4
 
 Record = tuple
