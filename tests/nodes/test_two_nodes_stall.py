@@ -71,7 +71,7 @@ def test_a_stopped_rank_is_named_on_both_nodes_and_the_job_ends(bed, flavor, ran
     assert sorted(said_by - {rank}) == [r for r in range(4) if r != rank], said
     for ln in lines:
         m = NAMED.search(ln)
-        assert (int(m.group(1)), m.group(2), int(m.group(3))) == (rank, node, victim), ln
+        assert (int(m.group(1)), m.group(2), int(m.group(3))) == (rank, node, victim), said
     late = [round(t - stopped, 2) for t, ln in named if int(NAMED.search(ln).group(5)) != rank]
     print(f"{flavor}: named {late} s after SIGSTOP of rank {rank}")
     assert max(late) <= STEP_TIMEOUT_S + 2.0, late
