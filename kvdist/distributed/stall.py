@@ -164,7 +164,8 @@ def poll(what: str, since: float, mine: Watch | None = None) -> None:
         heard = w.receive(_STATUS)
         if heard:
             elsewhere = mine is not None and w is not mine
-            raise _settle(w, what, time.monotonic() - since, {s["rank"]: s for s in heard}, elsewhere=elsewhere)
+            raise _settle(w, what, time.monotonic() - since, {s["rank"]: s for s in heard},
+                          elsewhere=elsewhere)
 
 
 def _verdict(w: Watch) -> KVDistError | None:

@@ -64,7 +64,8 @@ def test_the_stopped_rank_alone_is_named_whichever_collective_its_peers_wait_in(
         took = time.monotonic() - start
         assert list(caught.value.stalled) == [stopped], str(caught.value)
         line = caught.value.stalled[stopped]
-        assert line.startswith(f"rank {stopped} (node {socket.gethostname()}, pid {pid}) has not reached "), line
+        named = f"rank {stopped} (node {socket.gethostname()}, pid {pid}) has not reached "
+        assert line.startswith(named), line
         if world.rank != stopped:
             assert took < job_s + late_s + 2.5, f"named after {took:.1f} s: {caught.value}"
     finally:
