@@ -1,7 +1,8 @@
 """A rank stopped mid-run on the two-node bed (2 nodes x 2 ranks, launched from node a;
 a rank on node b under MPICH, one on node a under Open MPI): every other rank, on
-either node, names it — world rank, node, pid, the collective — within ``distributed.step_timeout_s`` + 2 s, the job ends by
-itself with status 3, and no node keeps a file in its /dev/shm or its scratch disk."""
+either node, names it — world rank, node, pid, the collective — within
+``distributed.step_timeout_s`` + 2 s, the job ends by itself with status 3, and no node
+keeps a file in its /dev/shm or its scratch disk."""
 
 from __future__ import annotations
 
