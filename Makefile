@@ -58,14 +58,14 @@ run: $(STAMP)
 LINT_PATHS := kvdist tests launch scripts
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS) launch/kvdist-launch
-	@# every text-mode open() names its encoding: CI's locale is ASCII (a preview rule, alone)
+	@# every text-mode open() names its encoding (a preview rule, alone): no locale decides a file's bytes
 	$(BIN)/ruff check --preview --select PLW1514 $(LINT_PATHS) launch/kvdist-launch
 	@missing=$$(comm -23 <(find $(LINT_PATHS) -name '*.py' | sort) \
 	    <($(BIN)/ruff check --show-files $(LINT_PATHS) | grep '\.py$$' | sed "s|^$$PWD/||" | sort)); \
 	if [ -n "$$missing" ]; then echo "ruff skips these files:"; echo "$$missing"; exit 1; fi
 
 unit: $(STAMP) $(OMPI) nodes-tools
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # Each rank gets a base temp dir of its own under one per job (tests/mpi/conftest.py), removed after.
 mpi: $(STAMP)

@@ -231,7 +231,7 @@ class MpiComm:
             if watched and now >= next_poll:
                 next_poll = now + 0.005
                 try:
-                    stall.poll(what, start)
+                    stall.poll(what, start, self.watch)
                     stop = self.interrupt() if self.interrupt is not None else None
                     if stop is not None:
                         raise stop
@@ -275,7 +275,7 @@ class MpiComm:
         """Run time: every rank's ``(tag of what, count)`` (``[size, 2]``), raising
         CollectiveMismatch on every rank when the ranks called different collectives or
         passed different counts. Start-up: nothing to compare (None)."""
-        stall.poll(what, time.monotonic())  # a stall a peer found ends this call at once
+        stall.poll(what, time.monotonic(), self.watch)  # a stall a peer found ends this call at once
         mine = np.array([zlib.crc32(what.encode()), count], dtype=np.int64)
         rows = np.empty((self.size, 2), dtype=np.int64)
         self._wait(self.mpi.Iallgather(mine, rows), deadline, what, (mine, rows))

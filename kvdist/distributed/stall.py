@@ -151,18 +151,29 @@ def _detail(error: KVDistError) -> dict:
     return error.stalled if isinstance(error, RankStalled) else getattr(error, "calls", {})
 
 
-def poll(what: str, since: float) -> None:
-    """Called while waiting in a bounded collective: raise when a peer ended the job or
-    reports a stall (after answering it and hearing the others)."""
+def poll(what: str, since: float, mine: Watch | None = None) -> None:
+    """Called while waiting in a bounded collective (of the communicator whose watch is
+    ``mine``): raise when a peer ended the job or reports a stall (after answering it
+    and hearing the others)."""
     if _ended:
         raise _ended[0]
     for w in list(_watches):
-        for kind, line, detail in w.receive(_ENDED):
-            error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
-            raise _end(error, w)
+        verdict = _verdict(w)
+        if verdict is not None:
+            raise verdict
         heard = w.receive(_STATUS)
         if heard:
-            raise _settle(w, what, time.monotonic() - since, {s["rank"]: s for s in heard})
+            elsewhere = mine is not None and w is not mine
+            raise _settle(w, what, time.monotonic() - since, {s["rank"]: s for s in heard},
+                          elsewhere=elsewhere)
+
+
+def _verdict(w: Watch) -> KVDistError | None:
+    """The verdict a peer of ``w`` reached and sent (recorded for the process), if any."""
+    for kind, line, detail in w.receive(_ENDED):
+        error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
+        return _end(error, w)
+    return None
 
 
 def expired(watch: Watch, what: str, waited: float, setting: str) -> KVDistError:
@@ -171,35 +182,60 @@ def expired(watch: Watch, what: str, waited: float, setting: str) -> KVDistError
     already comes first: a rank stopped past its deadline and resumed (a SIGCONT before
     the job's end) must not name the peers that left without it."""
     for w in list(_watches):
-        for kind, line, detail in w.receive(_ENDED):
-            error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
-            return _end(error, w)
+        verdict = _verdict(w)
+        if verdict is not None:
+            return verdict
     return _settle(watch, what, waited, {}, setting)
 
 
 def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
-            setting: str | None = None) -> KVDistError:
+            setting: str | None = None, elsewhere: bool = False) -> KVDistError:
     """Tell the peers this rank's status, hear theirs for up to GRACE_S, and name the
     ranks not heard from (``setting``: the bound that passed; a rank answering a peer's
-    report takes the peer's)."""
-    mine = {"rank": w.me, "what": what, "waited": waited, "setting": setting}
+    report takes the peer's).
+
+    ``elsewhere``: this rank waits in a collective of another communicator (a TP
+    group's while the job's model waits in its own). It is alive, so its peers here
+    count it as heard, but its collective is not theirs: neither a mismatch nor the
+    collective a stalled rank is named for. While it hears its peers it answers the
+    reports of its other watches the same way, and a verdict a peer reached meanwhile
+    (on any watch) is taken as it is: a rank that waits in a group's collective for a
+    stopped rank must not be named by the job's ranks for not answering them."""
+    mine = {"rank": w.me, "what": what, "waited": waited, "setting": setting, "elsewhere": elsewhere}
     w.send_all(_STATUS, mine)
     end = time.monotonic() + GRACE_S
     everyone = set(range(len(w.peers))) - {w.me}
-    while not everyone <= heard.keys() and time.monotonic() < end:
-        for s in w.receive(_STATUS):
-            heard[s["rank"]] = s
-        for notice in w.receive(_NOTICE):
-            w.notices.append(notice)
+    answered: set[int] = set()
+    # Until every peer is heard (or the grace ends); when every peer is, until the grace
+    # ends for a verdict: a rank that is late, or in another collective, takes the
+    # peers' verdict rather than one of its own (their reports may come before it).
+    while time.monotonic() < end:
+        for v in list(_watches):
+            verdict = _verdict(v)
+            if verdict is not None:
+                return verdict
+            if v is w:
+                for s in w.receive(_STATUS):
+                    heard[s["rank"]] = s
+                for notice in w.receive(_NOTICE):
+                    w.notices.append(notice)
+            elif v.receive(_STATUS) and id(v) not in answered:
+                answered.add(id(v))
+                v.send_all(_STATUS, {"rank": v.me, "what": what, "waited": waited, "setting": None,
+                                     "elsewhere": True})
+        if everyone <= heard.keys() and _missing_first(heard, what, elsewhere):
+            break
         time.sleep(0.002)
     missing = sorted(everyone - heard.keys())
     me = w.peers[w.me].rank
-    if not missing and all(s["what"] == what for s in heard.values()):
+    here = {r: s for r, s in heard.items() if not s.get("elsewhere")}  # waiting in this communicator
+    if not missing and _missing_first(heard, what, elsewhere):
         missing = [w.me]  # every peer waited here before this rank came: it is the late one
     if missing:
-        # Named by the collective the longest waiter waits in (the first to find it).
+        # Named by the collective of this communicator the longest waiter waits in.
         setting = setting or next((s["setting"] for s in heard.values() if s["setting"]), "")
-        waited, what = max([(waited, what), *((s["waited"], s["what"]) for s in heard.values())])
+        waits = [(s["waited"], s["what"]) for s in here.values()] + ([] if elsewhere else [(waited, what)])
+        waited, what = max(waits or [(waited, what)])
         stalled = {w.peers[r].rank: f"{w.peers[r].name()} has not reached {what} for {waited:.0f} s "
                                     "(stopped? SIGSTOP, a debugger, swapping)" for r in missing}
         error: KVDistError = RankStalled(f"{'; '.join(stalled.values())}; seen by rank {me} ({setting})",
@@ -213,3 +249,7 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
     return _end(error, w)
 
 
+def _missing_first(heard: dict[int, dict], what: str, elsewhere: bool) -> bool:
+    """Whether this rank, having heard every peer, is the one that came late: each peer
+    waits in this communicator's collective, the one this rank waits in."""
+    return not elsewhere and all(not s.get("elsewhere") and s["what"] == what for s in heard.values())

@@ -24,6 +24,10 @@ from tests.nodes.testbed import TwoNodes
 
 RANKS = Path(__file__).with_name("ranks_two_nodes.py")
 FLAVORS = pytest.mark.parametrize("flavor", sorted(jobs.MPIEXEC))
+# A rank on either node, each under one flavor (every pairing would double the bed's time,
+# the suite's longest; both flavors launch on both nodes in test_ranks_on_two_nodes).
+WHERE = pytest.mark.parametrize("flavor,rank", [("mpich", 3), ("openmpi", 1)],
+                                ids=["on-node-b-mpich", "on-node-a-openmpi"])
 
 
 def launch(bed: TwoNodes, flavor: str, *argv: str) -> subprocess.CompletedProcess:
@@ -96,8 +100,7 @@ def bed_pids(bed: TwoNodes) -> list[int]:
     return [pid for node in bed.nodes for pid in testbed.pids_in(node.name)]
 
 
-@FLAVORS
-@pytest.mark.parametrize("rank", [3, 1], ids=["on-node-b", "on-node-a"])
+@WHERE
 def test_a_killed_rank_is_named_on_any_node(bed, flavor, rank, tmp_path):
     """SIGKILL of one rank of a running job (2 nodes x 2 ranks, launched from node a):
     the job ends within seconds and the launcher's one line names that rank, its pid,

@@ -1,7 +1,8 @@
-"""A rank stopped mid-run on the two-node bed (2 nodes x 2 ranks, launched from node a,
-under MPICH and Open MPI): every other rank, on either node, names it — world rank, node,
-pid, the collective — within ``distributed.step_timeout_s`` + 2 s, the job ends by
-itself with status 3, and no node keeps a file in its /dev/shm or its scratch disk."""
+"""A rank stopped mid-run on the two-node bed (2 nodes x 2 ranks, launched from node a;
+a rank on node b under MPICH, one on node a under Open MPI): every other rank, on
+either node, names it — world rank, node, pid, the collective — within
+``distributed.step_timeout_s`` + 2 s, the job ends by itself with status 3, and no node
+keeps a file in its /dev/shm or its scratch disk."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from tests.launching import tiny_config, wait_for_line
 from tests.nodes import jobs, testbed
-from tests.nodes.test_two_nodes import FLAVORS, rank_process, scratch_left
+from tests.nodes.test_two_nodes import WHERE, rank_process, scratch_left
 
 STEP_TIMEOUT_S = 3.0
 NAMED = re.compile(r"kvdist: rank (\d+) \(node (\S+), pid (\d+)\) has not reached .+ for \d+ s "
@@ -29,8 +30,7 @@ def shm_of(bed, node) -> list[str]:
     return sorted(out.stdout.split())
 
 
-@FLAVORS
-@pytest.mark.parametrize("rank", [3, 1], ids=["on-node-b", "on-node-a"])
+@WHERE
 def test_a_stopped_rank_is_named_on_both_nodes_and_the_job_ends(bed, flavor, rank, tmp_path):
     if not jobs.MPIEXEC[flavor].exists():
         pytest.skip(f"no {jobs.MPIEXEC[flavor].relative_to(jobs.ROOT)}: `make venv` installs it")
@@ -71,7 +71,7 @@ def test_a_stopped_rank_is_named_on_both_nodes_and_the_job_ends(bed, flavor, ran
     assert sorted(said_by - {rank}) == [r for r in range(4) if r != rank], said
     for ln in lines:
         m = NAMED.search(ln)
-        assert (int(m.group(1)), m.group(2), int(m.group(3))) == (rank, node, victim), ln
+        assert (int(m.group(1)), m.group(2), int(m.group(3))) == (rank, node, victim), said
     late = [round(t - stopped, 2) for t, ln in named if int(NAMED.search(ln).group(5)) != rank]
     print(f"{flavor}: named {late} s after SIGSTOP of rank {rank}")
     assert max(late) <= STEP_TIMEOUT_S + 2.0, late
