@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
-@pytest.mark.parametrize("case", ["group-first", "job-first"])
+@pytest.mark.parametrize("case", ["group-first", "job-first", "late-in-grace"])
 def test_the_stopped_rank_alone_is_named(case):
     if not MPIEXEC.exists():
         pytest.skip("no mpiexec beside this Python: `make venv` installs it")

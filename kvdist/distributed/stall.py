@@ -31,6 +31,7 @@ from ..errors import CollectiveMismatch, KVDistError, RankStalled
 FLOOR_S = 10.0  # auto: never less than this
 FACTOR = 4.0  # auto: this many times the slowest interval between collectives seen
 GRACE_S = 1.0  # how long the ranks that arrived wait to hear from each other
+_SAME_S = 0.05  # ranks whose waits differ by less came at the same time (naming the late one)
 _STATUS, _ENDED, _NOTICE = 0x5A1, 0x5A2, 0x5A3  # message tags on a watch
 
 _watches: list[Watch] = []  # the process's live watches
@@ -230,7 +231,11 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
     me = w.peers[w.me].rank
     here = {r: s for r, s in heard.items() if not s.get("elsewhere")}  # waiting in this communicator
     if not missing and _missing_first(heard, what, elsewhere):
-        missing = [w.me]  # every peer waited here before this rank came: it is the late one
+        # Every rank is in this collective now, the last after a deadline passed: the
+        # late one is the rank that waited least (the same figures on every rank).
+        waits = {w.me: waited} | {r: s["waited"] for r, s in heard.items()}
+        least = min(waits.values())
+        missing = sorted(r for r, t in waits.items() if t <= least + _SAME_S)
     if missing:
         # Named by the collective of this communicator the longest waiter waits in.
         setting = setting or next((s["setting"] for s in heard.values() if s["setting"]), "")
@@ -250,6 +255,6 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
 
 
 def _missing_first(heard: dict[int, dict], what: str, elsewhere: bool) -> bool:
-    """Whether this rank, having heard every peer, is the one that came late: each peer
-    waits in this communicator's collective, the one this rank waits in."""
+    """Whether every rank, this one and each peer heard, waits in this communicator's
+    collective, the one this rank waits in: then one came late, after a deadline."""
     return not elsewhere and all(not s.get("elsewhere") and s["what"] == what for s in heard.values())

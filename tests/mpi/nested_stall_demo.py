@@ -11,7 +11,10 @@ started by tests/test_stall_nested.py (``KVDIST_NESTED_CASE``):
 * ``group-first``: the group's deadline passes first: its waiter names the stopped rank
   in the group, while the job's waiters settle theirs;
 * ``job-first``: the job's deadline passes first: the group's waiter hears the job's
-  report while it waits in the group's collective.
+  report while it waits in the group's collective;
+* ``late-in-grace``: every rank calls the job's collective, the last one after the
+  deadline but within the grace in which the others hear each other: it is the one
+  named, by every rank (not each rank that waited naming itself).
 
 By hand: ``KVDIST_NESTED_CASE=group-first MPIEXEC_TIMEOUT=120 .venv/bin/mpiexec -n 4
 .venv/bin/python -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider
@@ -26,9 +29,11 @@ import pytest
 from kvdist.distributed import comm as dist_comm
 from kvdist.errors import RankStalled
 
-CASES = {  # (the job's deadline, the group's deadline, the job's waiters come late by)
-    "group-first": (2.0, 1.5, 0.0),
-    "job-first": (2.0, 8.0, 0.3),
+CASES = {  # the job's deadline, the group's, the job's waiters late by, the stopped rank away for,
+    # whether the stopped rank and its mate call the group's collective (else the job's)
+    "group-first": (2.0, 1.5, 0.0, 5.0, True),
+    "job-first": (2.0, 8.0, 0.3, 5.0, True),
+    "late-in-grace": (1.5, 8.0, 0.0, 1.9, False),
 }
 
 
@@ -37,7 +42,7 @@ def test_the_stopped_rank_alone_is_named_whichever_collective_its_peers_wait_in(
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    job_s, group_s, late_s = CASES[os.environ["KVDIST_NESTED_CASE"]]
+    job_s, group_s, late_s, away_s, in_group_call = CASES[os.environ["KVDIST_NESTED_CASE"]]
     stopped, mate = world.size - 1, world.size - 2  # the group: the last two ranks
     in_group = world.rank >= mate
     split = world.Split(1 if in_group else 0, key=world.rank)
@@ -54,9 +59,8 @@ def test_the_stopped_rank_alone_is_named_whichever_collective_its_peers_wait_in(
         start = time.monotonic()
         with pytest.raises(RankStalled) as caught:
             if world.rank == stopped:
-                time.sleep(job_s + 3.0)  # as if stopped (SIGSTOP): in no collective
-                group.allreduce_min([1], "the group's agreement")
-            elif world.rank == mate:
+                time.sleep(away_s)  # as if stopped (SIGSTOP): in no collective
+            if world.rank >= mate and in_group_call:
                 group.allreduce_min([1], "the group's agreement")
             else:
                 time.sleep(late_s)
