@@ -224,18 +224,18 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
                 answered.add(id(v))
                 v.send_all(_STATUS, {"rank": v.me, "what": what, "waited": waited, "setting": None,
                                      "elsewhere": True})
-        if everyone <= heard.keys() and _missing_first(heard, what, elsewhere):
+        if everyone <= heard.keys() and _all_here(heard, what, elsewhere):
             break
         time.sleep(0.002)
     missing = sorted(everyone - heard.keys())
     me = w.peers[w.me].rank
     here = {r: s for r, s in heard.items() if not s.get("elsewhere")}  # waiting in this communicator
-    if not missing and _missing_first(heard, what, elsewhere):
+    if not missing and _all_here(heard, what, elsewhere):
         # Every rank is in this collective now, the last after a deadline passed: the
         # late one is the rank that waited least (the same figures on every rank).
-        waits = {w.me: waited} | {r: s["waited"] for r, s in heard.items()}
-        least = min(waits.values())
-        missing = sorted(r for r, t in waits.items() if t <= least + _SAME_S)
+        arrived = {w.me: waited} | {r: s["waited"] for r, s in heard.items()}
+        least = min(arrived.values())
+        missing = sorted(r for r, t in arrived.items() if t <= least + _SAME_S)
     if missing:
         # Named by the collective of this communicator the longest waiter waits in.
         setting = setting or next((s["setting"] for s in heard.values() if s["setting"]), "")
@@ -254,7 +254,7 @@ def _settle(w: Watch, what: str, waited: float, heard: dict[int, dict],
     return _end(error, w)
 
 
-def _missing_first(heard: dict[int, dict], what: str, elsewhere: bool) -> bool:
+def _all_here(heard: dict[int, dict], what: str, elsewhere: bool) -> bool:
     """Whether every rank, this one and each peer heard, waits in this communicator's
     collective, the one this rank waits in: then one came late, after a deadline."""
     return not elsewhere and all(not s.get("elsewhere") and s["what"] == what for s in heard.values())
