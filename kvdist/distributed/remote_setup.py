@@ -106,6 +106,18 @@ def plan_sharing(comm: MpiComm, cfg: CacheConfig, layout: ReplicaLayout) -> Shar
     return SharePlan(token, nodes, path)
 
 
+def attach_peer_host(cfg: CacheConfig, host: HostPool, info: dict, device, rank: int,
+                     built: list) -> tuple[HostPool, SlotStamps]:
+    """A same-node peer's host tier and its stamps, attached from the paths it shared
+    (``info``); both appended to ``built`` (closed with the set-up on failure)."""
+    pool = HostPool(host.layout, host.num_blocks, pin=device.type == "cuda", device=device,
+                    chunk_bytes=cfg.cache.host.chunk_bytes, shared_path=info["host"], attach=True, rank=rank)
+    built.append(pool)
+    stamps = SlotStamps(host.num_blocks, info["stamps"], attach=True)
+    built.append(stamps)
+    return pool, stamps
+
+
 def _peer_on_node(plan: SharePlan, layout: ReplicaLayout, peer: int, info: dict) -> bool:
     rank = layout.world_rank(peer, layout.tp_rank)
     return (plan.nodes[rank] == plan.nodes[layout.rank] and info["host"] is not None
@@ -252,12 +264,7 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
             continue
         info = infos[layout.world_rank(peer, layout.tp_rank)]
         if rc.transport == "auto" and _peer_on_node(plan, layout, peer, info):
-            pool = HostPool(host.layout, host.num_blocks, pin=device.type == "cuda", device=device,
-                            chunk_bytes=cfg.cache.host.chunk_bytes, shared_path=info["host"],
-                            attach=True, rank=layout.rank)
-            built.append(pool)
-            peer_stamps = SlotStamps(host.num_blocks, info["stamps"], attach=True)
-            built.append(peer_stamps)
+            pool, peer_stamps = attach_peer_host(cfg, host, info, device, layout.rank, built)
             if copier is None:
                 copier = make_copier(device, simulate_async(cfg), executor)
                 built.append(copier)
@@ -289,4 +296,5 @@ def _build(comm, replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, info
                       near=_near(cfg, plan, layout, infos))
 
 
-__all__ = ["RemoteTierWarning", "SharePlan", "commit_or_undo", "commit_remote", "plan_sharing", "wanted"]
+__all__ = ["RemoteTierWarning", "SharePlan", "attach_peer_host", "commit_or_undo", "commit_remote",
+           "plan_sharing", "wanted"]

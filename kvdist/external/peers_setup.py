@@ -35,7 +35,14 @@ from ..distributed.message_server import MessageServer
 from ..distributed.message_transport import MessageTransport
 from ..distributed.peer_copy import ImmediateCopier
 from ..distributed.remote_rules import REMOTE_RULES, RemoteRules
-from ..distributed.remote_setup import RemoteTierWarning, SharePlan, commit_or_undo, plan_sharing, wanted
+from ..distributed.remote_setup import (
+    RemoteTierWarning,
+    SharePlan,
+    attach_peer_host,
+    commit_or_undo,
+    plan_sharing,
+    wanted,
+)
 from ..distributed.replicas import ReplicaComms, ReplicaLayout
 from ..distributed.shared_transport import SharedTransport
 from ..distributed.stamps import SlotStamps
@@ -133,12 +140,7 @@ def _build(replicas: ReplicaComms, cfg: CacheConfig, plan: SharePlan, infos: lis
         theirs = layout.world_rank(peer, layout.tp_rank)
         info = infos[theirs]
         if rc.transport == "auto" and plan.nodes[theirs] == here and info["host"] and info["stamps"]:
-            pool = HostPool(host.layout, host.num_blocks, pin=device.type == "cuda", device=device,
-                            chunk_bytes=cfg.cache.host.chunk_bytes, shared_path=info["host"],
-                            attach=True, rank=layout.rank)
-            built.append(pool)
-            peer_stamps = SlotStamps(host.num_blocks, info["stamps"], attach=True)
-            built.append(peer_stamps)
+            pool, peer_stamps = attach_peer_host(cfg, host, info, device, layout.rank, built)
             transports[peer] = SharedTransport(pool, peer_stamps, {HOST: landing}, copier, tier_slots,
                                                rules.check_stamps, fail)
         else:
