@@ -32,16 +32,16 @@ class BlockObserver(Protocol):
     a block's hash is in meta). Blocks enter on the GPU (registered by the manager) or
     land from another replica, move between tiers, and leave when dropped.
 
-    Nothing is called per change: the pool appends each change's words to ``ops``
-    (u64) and a registration's token ids to ``toks`` (an int32 array each), in order,
-    as it makes it, and the observer takes them once a step. Each change is an opcode
-    and its words:
+    Nothing is called per change: the pool appends each change's words to ``ops`` (an
+    array of u64), in order, as it makes it, and the observer takes them once a step.
+    Each change is an opcode and its words:
 
-    * ``LOG_REGISTERED n p hi lo slot*n``: ``n`` blocks of a sequence were registered
-      in these GPU slots (their ``n * tokens_per_block`` token ids the next array of
-      ``toks``): those now CACHED entered the cache, the others were cached already;
-      chained from the 128-bit hash ``hi << 64 | lo`` of the block before (``p`` = 1),
-      or from the layout's salt (``p`` = 0, ``hi`` = ``lo`` = 0);
+    * ``LOG_REGISTERED n p hi lo slot*n ids``: ``n`` blocks of a sequence were
+      registered in these GPU slots: those now CACHED entered the cache, the others
+      were cached already; chained from the 128-bit hash ``hi << 64 | lo`` of the
+      block before (``p`` = 1), or from the layout's salt (``p`` = 0, ``hi`` = ``lo`` =
+      0). ``ids``: their ``n * tokens_per_block`` int32 token ids, two a word in memory
+      order, the last word padded with a zero id when their count is odd;
     * ``LOG_MOVED n src*n dst*n``: a run of moves handed to the engine at once
       (``submit_moves``), in order: the cached block of each source now lives in the
       destination of the same index;
@@ -51,4 +51,3 @@ class BlockObserver(Protocol):
       replica, the low half of its hash ``lo``."""
 
     ops: array
-    toks: list[array]

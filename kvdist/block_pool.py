@@ -11,8 +11,8 @@ read a :class:`PoolSnapshot`. State it owns, per tier ``t``:
 * ``free[t]``: the FREE slots (a stack; a queue for the host tier above a disk, see
   ``kvdist.blocks.FreeQueue``);
 * ``lru[t]``: the CACHED slots no sequence references (refcount 0), coldest first;
-* the moves queued since the last ``submit_moves`` (empty between calls of the
-  manager: a slot is in transit only inside one call).
+* the moves queued since the last ``submit_moves`` (``kvdist.move_queue``; empty
+  between calls of the manager: a slot is in transit only inside one call).
 
 A CACHED slot is in its tier's eviction list iff its refcount is 0: ``pin`` and
 ``unpin`` keep the two together. ``generation`` grows with every change to the
@@ -28,12 +28,12 @@ No Python hook runs per block change. When host slots get or lose their blocks,
 ``host_observer`` hears it once per ``submit_moves``, before its copies reach the engine
 (``_tell_host``: the run's host sources and destinations, read off its routes, and the
 host drops since the last call), and once per block landed in the host tier. When a
-cached block enters, moves between or leaves the tiers, its words are appended to
-the block observer's typed arrays (the KV cache events, ``kvdist.events``, take them
-once a step): a run's sources and destinations, gathered into two u64 arrays as the
-moves are made, go at ``submit_moves``; a drop, a landing and a registration
-(``log_registered``, the manager's) as they happen (``BlockObserver`` has the
-words). With no observer, this costs one test per move, run or drop."""
+cached block enters, moves between or leaves the tiers, its words go to the block
+observer's typed arrays (the KV cache events, ``kvdist.events``, take them once a
+step): the pending moves are held in two int64 arrays already (``MoveQueue``), whose
+bytes go to the log whole at ``submit_moves``; a drop, a landing and a registration
+(``log_registered``, the manager's) are written as they happen (``BlockObserver`` has
+the words). With no observer, this costs one test per drop and per ``submit_moves``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ from .blocks import (
 )
 from .counters import CacheCounters
 from .eviction import DEFAULT_PRIORITY, PriorityLRU
+from .move_queue import MoveQueue
 from .prefix import MASK64, VECTOR_FROM, PrefixIndex
 from .recompute_policy import RecomputePolicy
 from .transfer import PROMOTE, Route, TransferEngine, route
@@ -67,7 +68,7 @@ from .transfer import PROMOTE, Route, TransferEngine, route
 __all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_MOVED", "LOG_REGISTERED", "BlockObserver", "BlockPool",
            "HostObserver", "PoolSnapshot"]
 
-_COPY_MANY_FROM = 32  # copies; fewer go to the engine one by one (see _queue_copies)
+_PAD = bytes(4)  # a zero token id: an odd count of them fills its last word
 
 
 def _as_list(parts: list) -> list[int]:
@@ -122,17 +123,11 @@ class BlockPool:
         self._colder = {GPU: [route(GPU, t) for t in (HOST, DISK) if cap[t]],
                         HOST: [route(HOST, DISK)] if cap[DISK] else [], DISK: []}
         self._gpu_end, self._host_end = space.base[HOST], space.base[DISK]
-        # The moves since the last submit_moves, in order: segments of one route each,
-        # lists grown by single moves or int arrays of a run (src, dst).
-        self._moves: list[tuple[Route, list[int] | np.ndarray, list[int] | np.ndarray]] = []
-        self._pending = 0  # moves in them
+        self._queue = MoveQueue()  # the moves since the last submit_moves, in order
         self.host_observer: HostObserver | None = None
         self._host_dropped: list[int] = []  # host slots dropped since the last submit_moves
         self._block_observer: BlockObserver | None = None
         self.block_log: array | None = None  # the block observer's ops (None: nobody's)
-        self._log_toks: list[array] = []  # ... and its toks
-        self._log_srcs: array | None = None  # the pending run's moves, for the log (u64)
-        self._log_dsts = array("Q")
         self.generation = 0  # grows with every change (see the module docstring)
         self.batch_moves = True  # runs of moves at once (see the module docstring)
         self.transfer_seconds = 0.0  # handing moves to the engine
@@ -144,25 +139,23 @@ class BlockPool:
 
     @block_observer.setter
     def block_observer(self, observer: BlockObserver | None) -> None:
-        assert not self._moves, "block observer changed while moves are pending"
+        assert not self._queue, "block observer changed while moves are pending"
         self._block_observer = observer
         self.block_log = None if observer is None else observer.ops
-        self._log_toks = [] if observer is None else observer.toks
-        self._log_srcs, self._log_dsts = None if observer is None else array("Q"), array("Q")
 
     def log_registered(self, slots: list[int], start: int, end: int, tokens: array) -> None:
         """Blocks ``start .. end-1`` of a sequence (GPU ``slots``) were registered, their
-        int32 token ids ``tokens`` (a copy, the observer's from then on): their words for
-        the block observer (set), the hash of the block before the first read now (its
-        slot may be reused before the observer reads)."""
+        int32 token ids ``tokens``: their words for the block observer (set), the hash
+        of the block before the first read now (its slot may be reused before the
+        observer reads)."""
         ops = self.block_log
         if start:
             p = slots[start - 1]
-            ops.extend((LOG_REGISTERED, end - start, 1, self.meta.hi_mv[p], self.meta.lo_mv[p]))
+            ops.fromlist([LOG_REGISTERED, end - start, 1, self.meta.hi_mv[p], self.meta.lo_mv[p],
+                          *slots[start:end]])
         else:
-            ops.extend((LOG_REGISTERED, end - start, 0, 0, 0))
-        ops.extend(slots[start:end])
-        self._log_toks.append(tokens)
+            ops.fromlist([LOG_REGISTERED, end - start, 0, 0, 0, *slots[:end]])
+        ops.frombytes(tokens.tobytes() if not len(tokens) & 1 else tokens.tobytes() + _PAD)
 
     # -- counts ----------------------------------------------------------------------------------
     def free_count(self, tier: int) -> int:
@@ -282,22 +275,18 @@ class BlockPool:
         to the free slot ``dst`` (of tier ``along.dst``): an exclusive move, ``src``
         ends on its free list. The copy reaches the engine at the next ``submit_moves``."""
         self.generation += 1
-        meta = self.meta
-        if self._moves and self._moves[-1][0] is along and isinstance(self._moves[-1][1], list):
-            self._moves[-1][1].append(src)
-            self._moves[-1][2].append(dst)
-        else:
-            self._moves.append((along, [src], [dst]))
-        self._pending += 1
+        meta, q = self.meta, self._queue
+        if along is not q.last:  # MoveQueue.add, inlined: the cascade's per-block path
+            q.runs.append((along, len(q.srcs)))
+            q.last = along
+        q.srcs.append(src)
+        q.dsts.append(dst)
         meta.move(src, dst)
         self.index.retarget(src, dst)
         meta.state_mv[dst] = CACHED
         meta.state_mv[src] = FREE
         self.free[along.src].push(src)
         self.counters.blocks_moved[along.name] += 1
-        if self._log_srcs is not None:
-            self._log_srcs.append(src)
-            self._log_dsts.append(dst)
 
     def move_run(self, srcs: list[int], dsts: list[int], along: Route) -> None:
         """``move`` of each pair, in order, at once (``batch_moves``); the slots of
@@ -310,69 +299,32 @@ class BlockPool:
         self.generation += 1
         meta = self.meta
         si, di = np.asarray(srcs, dtype=np.int64), np.asarray(dsts, dtype=np.int64)
-        self._moves.append((along, si, di))
-        self._pending += len(si)
+        self._queue.add_run(si, di, along)
         meta.move_many(si, di)
         self.index.retarget_many(si, di)
         meta.state[di] = CACHED
         meta.state[si] = FREE
         self.free[along.src].push_many(si)
         self.counters.blocks_moved[along.name] += len(srcs)
-        if self._log_srcs is not None:
-            self._log_srcs.frombytes(si.tobytes())  # slot ids are never negative
-            self._log_dsts.frombytes(di.tobytes())
 
     def submit_moves(self) -> None:
         """Queue the moves made since the last call with the engine, in their order:
         each run of one route in one call. The host observer hears the host slots
         changed first (R2: their stamps go odd before any copy into them starts)."""
-        moves = self._moves
-        if self.host_observer is not None and (moves or self._host_dropped):
-            self._tell_host(moves)
-        if not moves:
+        q = self._queue
+        if self.host_observer is not None and (q.srcs or self._host_dropped):
+            self._tell_host()
+        if not q.srcs:
             return
         t0 = time.perf_counter()
-        start = 0
-        for i in range(1, len(moves) + 1):
-            if i == len(moves) or moves[i][0] is not moves[start][0]:
-                part = moves[start:i]
-                if len(part) == 1:
-                    self._queue_copies(*part[0])
-                else:
-                    joined = (np.concatenate([np.asarray(m[k], dtype=np.int64) for m in part])
-                              for k in (1, 2))
-                    self._queue_copies(part[0][0], *joined)
-                start = i
-        ops = self.block_log
-        if ops is not None:  # the run, handed over whole
-            srcs, dsts = self._log_srcs, self._log_dsts
-            ops.extend((LOG_MOVED, len(srcs)))
-            ops.extend(srcs)
-            ops.extend(dsts)
-            del srcs[:], dsts[:]
-        self._moves = []
-        self._pending = 0
+        q.hand_over(self.engine, self.block_log)
         self.transfer_seconds += time.perf_counter() - t0
 
-    def _queue_copies(self, along: Route, srcs, dsts) -> None:
-        """Copies of one route (lists or int arrays): ``copy_many`` costs about as much
-        as 24 single copies up front and a quarter of one per copy after that."""
-        if len(srcs) < _COPY_MANY_FROM:
-            copy = self.engine.copy
-            for s, d in zip(_as_list([srcs]), _as_list([dsts])):
-                copy(along, s, d)
-        else:
-            self.engine.copy_many(along, srcs, dsts)
-
-    def _tell_host(self, moves: list) -> None:
-        """Hand the host observer (set) the host slots ``moves`` empty and fill (by their
-        routes) and those dropped since the last call, in one call."""
-        emptied, filled = self._host_dropped, []
-        for along, srcs, dsts in moves:
-            if along.src == HOST:
-                emptied += srcs if type(srcs) is list else srcs.tolist()
-            if along.dst == HOST:
-                filled += dsts if type(dsts) is list else dsts.tolist()
+    def _tell_host(self) -> None:
+        """Hand the host observer (set) the host slots the pending moves empty and fill
+        (by their routes) and those dropped since the last call, in one call."""
+        emptied, filled = self._queue.host_changes()
+        emptied = self._host_dropped + emptied
         self._host_dropped = []
         if emptied or filled:
             self.host_observer.host_changed(emptied, filled)
@@ -447,7 +399,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self._host_dropped.append(slot)  # told at the next submit_moves
         if self.block_log is not None:
-            self.block_log.extend((LOG_DROPPED, slot, self._pending))
+            self.block_log.extend((LOG_DROPPED, slot, len(self._queue.srcs)))
 
     def _offload_slot(self) -> int:
         """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
@@ -466,7 +418,7 @@ class BlockPool:
         """How many slots at the head of the host tier's free queue no disk work touches
         on this rank (timing-dependent: agree on the TP group's MIN, ``host_ready``).
         After ``submit_moves``: the moves are the engine's."""
-        assert not self._moves, "local_host_ready before submit_moves"
+        assert not self._queue, "local_host_ready before submit_moves"
         free = self.free[HOST]
         busy = self.engine.disk_pending(free.peek_many(len(free)))
         return int(busy.argmax()) if busy.any() else len(free)
@@ -547,14 +499,15 @@ class BlockPool:
     def snapshot(self) -> PoolSnapshot:
         return PoolSnapshot(tuple(None if f is None else f.snapshot() for f in self.free),
                             tuple(np.fromiter(iter(lru), dtype=np.int64) for lru in self.lru),
-                            self._pending)
+                            len(self._queue))
 
     def check_invariants(self) -> None:
         """The eviction lists' own links; every move handed to the engine; no more host
         slots agreed ready than are free."""
-        assert not self._moves, f"{self._pending} moves never reached the transfer engine"
+        assert not self._queue, f"{len(self._queue)} moves never reached the transfer engine"
         assert not self._host_dropped, f"host drops {self._host_dropped} never told to the host observer"
         assert not self.drop_behind_disk or self.host_ready <= len(self.free[HOST]), \
             f"{self.host_ready} host slots agreed ready, {len(self.free[HOST])} free"
+        self._queue.check_invariants()
         for lru in self.lru:
             lru.check_invariants()

@@ -24,10 +24,10 @@ class Stream:
     """A manager with the recorder on its pool, each step's records built right away,
     the events applied to per-medium sets."""
 
-    def __init__(self, capacity: tuple[int, int, int]):
-        self.m = CacheManager(KVLayout(1, 1, 1, "float16", TPB), capacity, NullExecutor())
-        self.recorder = BlockRecorder(self.m.meta, TPB)
-        self.builder = EventBuilder(self.m.space, TPB, self.m.salt)
+    def __init__(self, capacity: tuple[int, int, int], tpb: int = TPB):
+        self.m = CacheManager(KVLayout(1, 1, 1, "float16", tpb), capacity, NullExecutor())
+        self.recorder = BlockRecorder(self.m.meta, tpb)
+        self.builder = EventBuilder(self.m.space, tpb, self.m.salt)
         self.m.pool.block_observer = self.recorder
         self.held: dict[str, set[int]] = {m: set() for m in MEDIA}
         self.events: list = []
@@ -146,3 +146,28 @@ def test_token_ids_of_every_msgpack_width_survive_moves_and_chained_runs():
     assert any(len(e.block_hashes) > 1 for e in stored), "a chained run of blocks in one event"
     for e in stored:
         assert e.token_ids == [t for h in e.block_hashes for t in ids[h]]
+
+
+def test_an_odd_block_size_pads_each_registration_to_whole_words():
+    """Three token ids a block: a registration of an odd number of blocks has an odd
+    number of ids, two a word in the step's records, the last word padded. Every
+    registration, of one block or several, after others or before a move, gives each
+    block exactly its ids, and the tiers exactly."""
+    tpb = 3
+    s = Stream((6, 2, 2), tpb=tpb)
+    layout = s.m.layout
+    ids: dict[int, list[int]] = {}
+    for k in range(12):
+        prompt = [k * 100 + i for i in range((k % 3 + 1) * tpb + 1)]  # 1-3 blocks and one id more
+        s.step(adds=[(k, prompt)])
+        grown = prompt + [-k - 1] * (tpb - 1)  # the last block fills: registered alone
+        s.step(appends=[(k, [-k - 1] * (tpb - 1))], releases=[k])
+        for i, h in enumerate(prompt_hashes(grown, layout)):
+            ids[h] = grown[i * tpb:(i + 1) * tpb]
+        assert s.held == s.content(), f"prompt {k}"
+    encode, decode = msgspec.msgpack.Encoder().encode, decoder().decode
+    batch = decode(encode(KVEventBatch(ts=0.0, events=s.events, data_parallel_rank=0)))
+    stored = [e for e in batch.events if type(e) is BlockStored]
+    assert sum(len(e.block_hashes) for e in stored) > len(ids), "blocks must be stored again after moves"
+    for e in stored:
+        assert e.block_size == tpb and e.token_ids == [t for h in e.block_hashes for t in ids[h]]

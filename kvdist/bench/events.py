@@ -25,6 +25,7 @@ shown beside it."""
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import subprocess
 import sys
@@ -73,7 +74,7 @@ class _Timed:
 
     def __init__(self, recorder, end_step):
         self.ns, self.calls = 0, 0
-        self.ops, self.toks = recorder.ops, recorder.toks  # the pool writes into the recorder's
+        self.ops = recorder.ops  # the pool writes into the recorder's
         self.end_step = self._timed(end_step)
 
     def _timed(self, f):
@@ -95,6 +96,10 @@ class _Timed:
             clock()
             clock()
         return (clock() - t0) / n
+
+
+def _keep_nothing(ops) -> None:
+    """Recording only: each step's records handed over to nobody."""
 
 
 OFF, RECORD = "events off", "recording only"
@@ -131,7 +136,7 @@ def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
         from ..events.recorder import BlockRecorder
         recorder = BlockRecorder(m.meta, m.tpb)
         m.pool.block_observer = recorder
-        after = recorder.take
+        after = functools.partial(recorder.hand_over, _keep_nothing)
     driver = _Driver(m, after)
     gc.collect()
     cpu = time.thread_time()

@@ -68,7 +68,7 @@ class EventBuilder:
         """The events of one step's records (``BlockRecorder.take``)."""
         self._out, self._parts = [], []
         drops: list[Record] = []  # waiting for the moves they came between
-        for r in records(*step, self._block_size):
+        for r in records(step, self._block_size):
             kind = r[0]
             if kind == DROPPED:
                 drops.append(r)

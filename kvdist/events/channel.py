@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 from ..config import EventsConfig
 from ..manager import CacheManager
 from .endpoints import replica_endpoints
-from .recorder import HEADER_WORDS, BlockRecorder, StepRecords
+from .recorder import BlockRecorder, StepRecords
 
 __all__ = ["KVEvents", "Publisher"]
 
@@ -21,7 +21,9 @@ class Publisher(Protocol):
     endpoint: str
     replay_endpoint: str | None
 
-    def submit(self, step: StepRecords) -> None: ...
+    def submit(self, step: StepRecords) -> None:
+        """One step's records, the header filled in (``BlockRecorder.hand_over``): the
+        recorder's own array, reused once this returns (copy what is kept)."""
 
     def stats(self) -> dict: ...
 
@@ -52,14 +54,13 @@ class KVEvents:
                 EventBuilder(manager.space, manager.tpb, manager.salt).events if build == "events"
                 else lambda step: [])
         self.recorder = BlockRecorder(manager.meta, manager.tpb)
+        self._submit = self.publisher.submit
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder
 
     def end_step(self) -> None:
         """The step's changes, if any, become the next batch."""
-        step = self.recorder.take()
-        if len(step[0]) > HEADER_WORDS:
-            self.publisher.submit(step)
+        self.recorder.hand_over(self._submit)
 
     def close(self) -> None:
         """Publish what is left and AllBlocksCleared, then stop (idempotent)."""
@@ -68,7 +69,7 @@ class KVEvents:
         self._manager.pool.block_observer = None
         self._manager = None
         self.recorder.cleared()
-        self.publisher.submit(self.recorder.take())
+        self.recorder.hand_over(self._submit)
         self.publisher.close()
 
     def stats(self) -> dict:

@@ -7,10 +7,10 @@ line (JSON) on standard output once its sockets are bound: their endpoints, or t
 ConfigError that binding raised. Then, every ``period_s`` while steps come (every
 ``idle_s`` after a look at the ring that found nothing) and whenever a replay
 request or the end of file comes, it reads what the step thread wrote to the ring
-(``kvdist.events.ring``: a step's ``ops`` and ``toks`` as ``kvdist.events.recorder``
-writes them), publishes each step as the
-next batch (``kvdist.events.server``), answers replays — a replay therefore holds every
-batch written before its request came — and writes its figures in the ring's header.
+(``kvdist.events.ring``: each step's ``ops`` as ``kvdist.events.recorder`` hands
+them over), publishes each step as the next batch (``kvdist.events.server``), answers
+replays — a replay therefore holds every batch written before its request came — and
+writes its figures in the ring's header.
 At the end of file it publishes what is left, lets the sockets send (``linger_s``)
 and exits.
 
@@ -33,7 +33,7 @@ from array import array
 
 __all__ = ["FIGURES", "main"]
 
-_COUNTS = struct.Struct("=QQ")  # a step's first two words: its ops and its toks
+_WORDS = struct.Struct("=Q")  # a step's first word: its length in words
 # Header words of the ring (after HEAD, TAIL) this process keeps current, in order.
 FIGURES = ("published", "replays", "failed", "cpu_ns", "alive")  # cpu_ns: since its sockets were bound
 _PR_SET_PDEATHSIG = 1
@@ -50,25 +50,24 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _Steps:
-    """Cuts the stream into steps (``ops`` then ``toks``; ``ops``' first two words
-    count both: ``kvdist.events.recorder``)."""
+    """Cuts the stream into steps (each step's ``ops``, its first word its length in
+    words: ``kvdist.events.recorder``)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[array, array]]:
+    def feed(self, data: bytes) -> list[array]:
         buf = self._buf
         buf += data
         out, at = [], 0
-        while len(buf) - at >= 16:
-            n_ops, n_toks = _COUNTS.unpack_from(buf, at)
-            end = at + 8 * n_ops + 4 * n_toks
+        while len(buf) - at >= 8:
+            (n_ops,) = _WORDS.unpack_from(buf, at)
+            end = at + 8 * n_ops
             if end > len(buf):
                 break
-            ops, toks = array("Q"), array("i")
-            ops.frombytes(buf[at : at + 8 * n_ops])
-            toks.frombytes(buf[at + 8 * n_ops : end])
-            out.append((ops, toks))
+            ops = array("Q")
+            ops.frombytes(buf[at:end])
+            out.append(ops)
             at = end
         del buf[:at]
         return out

@@ -112,13 +112,12 @@ class ProcessPublisher:
 
     # -- the step thread ------------------------------------------------------------------------------
     def submit(self, step: StepRecords) -> None:
-        """Hand one step's records over as the next batch (copied into the ring)."""
+        """Hand one step's records over as the next batch (its bytes copied into the ring)."""
         ring = self._ring
         if ring is None or self.dropped:
             self.dropped += 1
             return
-        ops, toks = step
-        if ring.write(ops, len(ops) * 8, toks, len(toks) * 4, self._wait):
+        if ring.write(step, len(step) * 8, self._wait):
             self.submitted += 1
             if self._waited is not None:
                 self._waited = None

@@ -50,9 +50,9 @@ class ThreadPublisher:
         self._thread.start()
 
     def submit(self, step: StepRecords) -> None:
-        """Queue one step's records as the next batch (never blocks)."""
+        """Queue (a copy of) one step's records as the next batch (never blocks)."""
         self.submitted += 1
-        self._queue.append(step)
+        self._queue.append(step[:])
 
     def stats(self) -> dict:
         s = self._server

@@ -1,13 +1,13 @@
-"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` whose two
-flat typed arrays hold what changed the blocks of the tiers during a step — no Python
-object per block or per change is kept: ``ops`` (unsigned 64-bit words) and ``toks``
-(the registered blocks' token ids, int32). The manager's pool writes each change's
-words into them as it makes it, with no call into the recorder (the opcodes are
-``BlockObserver``'s, which this module re-exports); ``take``, once a step, fills in
-the header and hands the step's pair over, and the publisher
-(``kvdist.events.process``: another process) copies their bytes as they are. Working
-out which block each change concerns, and building and encoding the events, is the
-builder's (``kvdist.events.batcher``), off the step's path.
+"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` whose one
+flat typed array holds what changed the blocks of the tiers during a step — no Python
+object per block or per change is kept: ``ops``, unsigned 64-bit words, the
+registered blocks' int32 token ids among them. The manager's pool writes each change's
+words into it as it makes it, with no call into the recorder (the opcodes are
+``BlockObserver``'s, which this module re-exports); ``hand_over``, once a step, fills
+in the header and hands the step's array to the publisher, which copies its bytes as
+they are (``kvdist.events.process``: into the ring of another process), then empties
+it. Working out which block each change concerns, and building and encoding the
+events, is the builder's (``kvdist.events.batcher``), off the step's path.
 
 What the builder cannot work out later is captured by the pool (the slots are
 reused): a registration's slots and token ids, the 128-bit hash of the block before
@@ -15,100 +15,110 @@ its first (from which the builder chains the registered blocks' hashes as the ma
 did), and a landed block's wire hash. Moves and drops name slots alone: the builder
 follows each block from slot to slot in its own copy of the slots' hashes.
 
-``ops`` starts with three header words — its own length in words, the number of
-``toks``, the time of ``take`` (ns since the epoch) — filled in by ``take``: a step's
-``ops`` and ``toks`` are then one self-describing message. Then, oldest first, each
-entry an opcode and its words:
+``ops`` starts with two header words — its own length in words and the time of the
+hand-over (ns since the epoch) — filled in by ``hand_over`` (or ``take``): a step's
+``ops`` is then one self-describing message. Then, oldest first, each entry an opcode
+and its words:
 
-* ``REGISTERED n p hi lo slot*n``: the GPU slots registered ``n`` blocks
-  (``tokens_per_block`` ids each, next in ``toks``), chained from the parent hash
-  ``hi << 64 | lo`` (``p`` = 1), or from the layout's salt (``p`` = 0: a sequence's
-  first block); a block whose hash is cached already stays private (no event);
+* ``REGISTERED n p hi lo slot*n ids``: the GPU slots registered ``n`` blocks, chained
+  from the parent hash ``hi << 64 | lo`` (``p`` = 1), or from the layout's salt (``p``
+  = 0: a sequence's first block); a block whose hash is cached already stays private
+  (no event). ``ids``: the blocks' ``n * tokens_per_block`` int32 token ids, two a
+  word in memory order, the last word padded with a zero id when their count is odd;
 * ``MOVED n src*n dst*n``: the blocks of ``srcs`` moved to ``dsts``, in order;
 * ``DROPPED slot after``: the block of ``slot`` left the cache after the first ``after``
   moves of the next ``MOVED`` (0 when none follows in its call);
 * ``LANDED slot hash``: a block fetched from another replica (its wire hash);
 * ``CLEARED``: every block is gone (the cache closes).
 
-:func:`records` turns a step's pair back into tuples, for the builder."""
+:func:`records` turns a step's array back into tuples, for the builder."""
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..block_pool import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED
 from ..blocks import BlockMeta
 
 __all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
-           "StepRecords", "records", "step_time"]
+           "StepRecords", "records", "step_time", "token_words"]
 
 # The pool writes the words of these four (BlockObserver); CLEARED is the recorder's own.
 REGISTERED, MOVED, DROPPED, LANDED = LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED
 CLEARED = 4
 
 Record = tuple
-StepRecords = tuple  # (ops: array("Q"), toks: array("i")) of one step
-HEADER_WORDS = 3
-_BLANK = array("Q", (HEADER_WORDS, 0, 0))  # a step's ops before its first record
-_EMPTY: StepRecords = (_BLANK, array("i"))
+StepRecords = array  # ("Q") one step's records, the header first
+HEADER_WORDS = 2
+_BLANK = array("Q", (HEADER_WORDS, 0))  # a step's ops before its first record
+
+
+def token_words(n_ids: int) -> int:
+    """The words ``n_ids`` int32 token ids take in ``ops`` (two a word)."""
+    return (n_ids + 1) >> 1
 
 
 class BlockRecorder:
     """Records what changes the tiers' blocks (see the module docstring): the manager's
-    pool appends to ``ops`` and ``toks`` on the scheduler thread; ``take`` hands the
-    records of a step over and starts the next."""
+    pool appends to ``ops`` on the scheduler thread; ``hand_over`` (or ``take``) hands
+    the records of a step over and starts the next."""
 
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
-        self.ops = _BLANK[:]  # BlockObserver's: the words since the last take, the header first
-        self.toks: list[array] = []  # ... and the registrations' token ids
+        self.ops = _BLANK[:]  # BlockObserver's: the words since the last hand-over, the header first
         self._cleared = False
 
     def cleared(self) -> None:
-        """Every block is gone (the cache closes): the last record of the next ``take``."""
+        """Every block is gone (the cache closes): the last record of the next hand-over."""
         self._cleared = True
 
-    def take(self) -> StepRecords:
-        """The records since the last call, ``(ops, toks)``, the header filled in
-        (``ops`` of the header alone when nothing changed: do not send it)."""
-        ops, parts = self.ops, self.toks
+    def hand_over(self, submit: Callable[[StepRecords], None]) -> None:
+        """``submit(ops)`` with the records since the last hand-over, the header filled in,
+        then start afresh; nothing when nothing changed. ``ops`` is the recorder's own:
+        ``submit`` copies what it keeps before it returns."""
+        ops = self.ops
         if len(ops) == HEADER_WORDS and not self._cleared:
-            return _EMPTY
+            return
         if self._cleared:
             ops.append(CLEARED)
             self._cleared = False
-        out = ops[:]  # the pool keeps appending to ops
+        ops[0] = len(ops)
+        ops[1] = time.time_ns()
+        submit(ops)
         del ops[HEADER_WORDS:]
-        if len(parts) == 1:
-            toks = parts[0]
-        else:  # one copy each (an array grown part by part is copied again at each growth)
-            toks = array("i")
-            toks.frombytes(b"".join(parts))
-        parts.clear()
-        out[0], out[1], out[2] = len(out), len(toks), time.time_ns()
-        return out, toks
+
+    def take(self) -> StepRecords:
+        """The records since the last hand-over, as a copy (the header alone when
+        nothing changed: do not send it)."""
+        out: list[array] = []
+        self.hand_over(lambda ops: out.append(ops[:]))
+        return out[0] if out else _BLANK[:]
 
 
 def step_time(ops: array | memoryview) -> float:
-    """The time a step's records were taken (seconds since the epoch)."""
-    return ops[2] / 1e9
+    """The time a step's records were handed over (seconds since the epoch)."""
+    return ops[1] / 1e9
 
 
-def records(ops: array | memoryview, toks: array | memoryview, tpb: int) -> Iterator[Record]:
-    """A step's ``(ops, toks)`` as tuples, oldest first: ``(REGISTERED, slots, token
-    ids (array "i"), parent 128-bit hash | None)``, ``(MOVED, srcs, dsts)``,
-    ``(DROPPED, slot, after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``."""
-    i, t, n_ops = HEADER_WORDS, 0, len(ops)
+def records(ops: array, tpb: int) -> Iterator[Record]:
+    """A step's ``ops`` as tuples, oldest first: ``(REGISTERED, slots, token ids (array
+    "i"), parent 128-bit hash | None)``, ``(MOVED, srcs, dsts)``, ``(DROPPED, slot,
+    after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``."""
+    i, n_ops = HEADER_WORDS, len(ops)
     while i < n_ops:
         op = ops[i]
         if op == REGISTERED:
             n, has_parent = ops[i + 1], ops[i + 2]
             parent = ops[i + 3] << 64 | ops[i + 4] if has_parent else None
             i += 5
-            yield REGISTERED, list(ops[i : i + n]), array("i", toks[t : t + n * tpb]), parent
+            slots = list(ops[i : i + n])
             i += n
-            t += n * tpb
+            ids, w = n * tpb, token_words(n * tpb)
+            toks = array("i", ops[i : i + w].tobytes())
+            del toks[ids:]  # the padding
+            yield REGISTERED, slots, toks, parent
+            i += w
         elif op == MOVED:
             n = ops[i + 1]
             i += 2
@@ -121,4 +131,4 @@ def records(ops: array | memoryview, toks: array | memoryview, tpb: int) -> Iter
             assert op == CLEARED, f"unknown record {op} at word {i}"
             yield (CLEARED,)
             i += 1
-    assert t == len(toks), f"{len(toks) - t} token ids left over"
+    assert i == n_ops, f"the records run {i - n_ops} words past the step's"

@@ -85,44 +85,52 @@ class RingWriter(_Ring):
         super().__init__(fd, capacity, populate=True)
         self._head = self.words[HEAD]
         self._tail = self.words[TAIL]  # as last loaded: the room known to be free
+        self._limit = self._head  # a write ending at or before it fits in one copy (_look)
+        self._look()
 
-    def write(self, a, na: int, b, nb: int, wait: Callable[[], bool]) -> bool:
-        """Append the bytes of ``a`` then ``b`` (bytes-like objects of ``na`` and ``nb``
-        bytes) to the stream. While there is too little room, ``wait()`` is called
-        between looks at the reader's progress; when it returns False the writer gives
-        up: False (the stream then ends mid-message: write nothing more)."""
-        head, cap = self._head, self.capacity
-        total = na + nb
-        if cap - (head - self._tail) < total:
-            self._tail = self.words[TAIL]
-            fence()  # the reader's copies out are done before ours overwrite them
-        at = head % cap
-        if at + total <= cap and cap - (head - self._tail) >= total:  # the common case
-            mm = self._mm
-            pos = HEADER_BYTES + at
-            mm[pos : pos + na] = a
-            if nb:
-                mm[pos + na : pos + total] = b
-            if not ORDERED:
-                fence()  # the bytes are in place before the reader can see them
-            self.words[HEAD] = self._head = head + total
-            return True
-        for p in (a, b):  # wrapping, or waiting for room: as much as fits at a time
-            data = memoryview(p).cast("B")
-            off = 0
-            while off < len(data):
-                room = cap - (self._head - self._tail)
-                if room == 0:
-                    if not wait():
-                        return False
-                    self._tail = self.words[TAIL]
-                    fence()
-                    continue
-                at = self._head % cap
-                k = min(len(data) - off, room, cap - at)
-                self._mm[HEADER_BYTES + at : HEADER_BYTES + at + k] = data[off : off + k]
-                off += k
-                self._publish(self._head + k)
+    def _look(self) -> None:
+        """Load ``TAIL``; ``_limit``: the stream position a write may end at in one copy,
+        in the room known to be free and short of the data area's end."""
+        self._tail = self.words[TAIL]
+        fence()  # the reader's copies out are done before ours overwrite them
+        cap = self.capacity
+        self._limit = min(self._tail + cap, self._head - self._head % cap + cap)
+
+    def write(self, data, n: int, wait: Callable[[], bool]) -> bool:
+        """Append the bytes of ``data`` (a bytes-like object of ``n`` bytes) to the
+        stream. While there is too little room, ``wait()`` is called between looks at
+        the reader's progress; when it returns False the writer gives up: False (the
+        stream then ends mid-message: write nothing more)."""
+        head = self._head
+        if head + n > self._limit:
+            self._look()
+            if head + n > self._limit:
+                return self._write_parts(data, n, wait)
+        at = HEADER_BYTES + head % self.capacity  # the common case: one copy
+        self._mm[at : at + n] = data
+        if not ORDERED:
+            fence()  # the bytes are in place before the reader can see them
+        self.words[HEAD] = self._head = head + n
+        return True
+
+    def _write_parts(self, data, n: int, wait: Callable[[], bool]) -> bool:
+        """``write`` across the data area's end, or waiting for room: as much as fits
+        at a time."""
+        data = memoryview(data).cast("B")
+        cap, off = self.capacity, 0
+        while off < n:
+            room = cap - (self._head - self._tail)
+            if room == 0:
+                if not wait():
+                    return False
+                self._look()
+                continue
+            at = self._head % cap
+            k = min(n - off, room, cap - at)
+            self._mm[HEADER_BYTES + at : HEADER_BYTES + at + k] = data[off : off + k]
+            off += k
+            self._publish(self._head + k)
+        self._look()
         return True
 
     def _publish(self, head: int) -> None:

@@ -95,7 +95,7 @@ class EventServer:
         seq = self.next_seq
         self.next_seq += 1
         try:
-            payload = self._pack.encode(KVEventBatch(ts=step_time(step[0]), events=self._build(step),
+            payload = self._pack.encode(KVEventBatch(ts=step_time(step), events=self._build(step),
                                                      data_parallel_rank=self.data_parallel_rank))
         except Exception:
             self.failed += 1
