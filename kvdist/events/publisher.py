@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 
@@ -52,7 +53,7 @@ class ThreadPublisher:
     def submit(self, step: StepRecords) -> None:
         """Queue (a copy of) one step's records as the next batch (never blocks)."""
         self.submitted += 1
-        self._queue.append(step[:])
+        self._queue.append(array("Q", step.tobytes()))
 
     def stats(self) -> dict:
         s = self._server

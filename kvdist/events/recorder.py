@@ -50,7 +50,7 @@ REGISTERED, MOVED, DROPPED, LANDED = LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG
 CLEARED = 4
 
 Record = tuple
-StepRecords = array  # ("Q") one step's records, the header first
+StepRecords = array | memoryview  # one step's records (u64 words), the header first
 HEADER_WORDS = 2
 _BLANK = array("Q", (HEADER_WORDS, 0))  # a step's ops before its first record
 
@@ -63,10 +63,18 @@ def token_words(n_ids: int) -> int:
 class BlockRecorder:
     """Records what changes the tiers' blocks (see the module docstring): the manager's
     pool appends to ``ops`` on the scheduler thread; ``hand_over`` (or ``take``) hands
-    the records of a step over and starts the next."""
+    the records of a step over and starts the next.
+
+    The array is not emptied each step (emptying gives its memory back, and the next
+    step's records take it again a piece at a time): a step's records are ``ops`` from
+    its header on (``_start``), the next step's header is appended after them, and the
+    array starts again at the front once it holds over ``KEEP_WORDS``."""
+
+    KEEP_WORDS = 1 << 16  # 512 KiB
 
     def __init__(self, meta: BlockMeta, tokens_per_block: int):
-        self.ops = _BLANK[:]  # BlockObserver's: the words since the last hand-over, the header first
+        self.ops = _BLANK[:]  # BlockObserver's: the current step's header at _start, its words after it
+        self._start = 0
         self._cleared = False
 
     def cleared(self) -> None:
@@ -74,25 +82,36 @@ class BlockRecorder:
         self._cleared = True
 
     def hand_over(self, submit: Callable[[StepRecords], None]) -> None:
-        """``submit(ops)`` with the records since the last hand-over, the header filled in,
-        then start afresh; nothing when nothing changed. ``ops`` is the recorder's own:
-        ``submit`` copies what it keeps before it returns."""
-        ops = self.ops
-        if len(ops) == HEADER_WORDS and not self._cleared:
+        """``submit(step)`` with the records since the last hand-over, the header filled
+        in, then start afresh; nothing when nothing changed. ``step`` is a view of the
+        recorder's own array, released once ``submit`` returns: it copies what it keeps."""
+        ops, start = self.ops, self._start
+        n = len(ops) - start
+        if n == HEADER_WORDS and not self._cleared:
             return
         if self._cleared:
             ops.append(CLEARED)
+            n += 1
             self._cleared = False
-        ops[0] = len(ops)
-        ops[1] = time.time_ns()
-        submit(ops)
-        del ops[HEADER_WORDS:]
+        ops[start] = n
+        ops[start + 1] = time.time_ns()
+        step = memoryview(ops)[start:]
+        try:
+            submit(step)
+        finally:
+            step.release()
+        if len(ops) > self.KEEP_WORDS:
+            del ops[HEADER_WORDS:]
+            self._start = 0
+        else:
+            self._start = len(ops)
+            ops.extend(_BLANK)
 
-    def take(self) -> StepRecords:
-        """The records since the last hand-over, as a copy (the header alone when
-        nothing changed: do not send it)."""
+    def take(self) -> array:
+        """The records since the last hand-over, as an array of their own (the header
+        alone when nothing changed: do not send it)."""
         out: list[array] = []
-        self.hand_over(lambda ops: out.append(ops[:]))
+        self.hand_over(lambda step: out.append(array("Q", step.tobytes())))
         return out[0] if out else _BLANK[:]
 
 
@@ -101,7 +120,7 @@ def step_time(ops: array | memoryview) -> float:
     return ops[1] / 1e9
 
 
-def records(ops: array, tpb: int) -> Iterator[Record]:
+def records(ops: StepRecords, tpb: int) -> Iterator[Record]:
     """A step's ``ops`` as tuples, oldest first: ``(REGISTERED, slots, token ids (array
     "i"), parent 128-bit hash | None)``, ``(MOVED, srcs, dsts)``, ``(DROPPED, slot,
     after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``."""
