@@ -65,7 +65,7 @@ class EventBuilder:
         return MEDIA[(slot >= self._host) + (slot >= self._disk)]
 
     def events(self, step: StepRecords) -> list[KVCacheEvent]:
-        """The events of one step's records (``BlockRecorder.take``)."""
+        """The events of one step's records (``BlockRecorder.hand_over``)."""
         self._out, self._parts = [], []
         drops: list[Record] = []  # waiting for the moves they came between
         for r in records(step, self._block_size):

@@ -4,10 +4,11 @@ object per block or per change is kept: ``ops``, unsigned 64-bit words, the
 registered blocks' int32 token ids among them. The manager's pool writes each change's
 words into it as it makes it, with no call into the recorder (the opcodes are
 ``BlockObserver``'s, which this module re-exports); ``hand_over``, once a step, fills
-in the header and hands the step's array to the publisher, which copies its bytes as
-they are (``kvdist.events.process``: into the ring of another process), then empties
-it. Working out which block each change concerns, and building and encoding the
-events, is the builder's (``kvdist.events.batcher``), off the step's path.
+in the header and hands the step's words to the publisher as a view of the array,
+which it copies as they are (``kvdist.events.process``: into the ring of another
+process); the next step's words follow them in the array. Working out which block
+each change concerns, and building and encoding the events, is the builder's
+(``kvdist.events.batcher``), off the step's path.
 
 What the builder cannot work out later is captured by the pool (the slots are
 reused): a registration's slots and token ids, the 128-bit hash of the block before
