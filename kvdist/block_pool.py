@@ -30,8 +30,8 @@ No Python hook runs per block change. When host slots get or lose their blocks,
 host drops since the last call), and once per block landed in the host tier. When a
 cached block enters, moves between or leaves the tiers, its words go to the block
 observer's typed arrays (the KV cache events, ``kvdist.events``, take them once a
-step): the pending moves are held in two int64 arrays already (``MoveQueue``), whose
-bytes go to the log whole at ``submit_moves``; a drop, a landing and a registration
+step): the pending moves are held in two u64 arrays already (``MoveQueue``), which
+go to the log whole at ``submit_moves``; a drop, a landing and a registration
 (``log_registered``, the manager's) are written as they happen (``BlockObserver`` has
 the words). With no observer, this costs one test per drop and per ``submit_moves``."""
 
@@ -276,7 +276,7 @@ class BlockPool:
         ends on its free list. The copy reaches the engine at the next ``submit_moves``."""
         self.generation += 1
         meta, q = self.meta, self._queue
-        if along is not q.last:  # MoveQueue.add, inlined: the cascade's per-block path
+        if along is not q.last:  # a new run (MoveQueue's invariant), then the move's two words
             q.runs.append((along, len(q.srcs)))
             q.last = along
         q.srcs.append(src)

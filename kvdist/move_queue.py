@@ -3,8 +3,8 @@ the transfer engine, held as the engine and the block log take them: two u64 arr
 (``srcs``, ``dsts``: move i copies the block of ``srcs[i]`` into ``dsts[i]``) and the
 runs of one route over them (``runs``: each run's route and first index, in order; a
 move on the route of the last run extends it). No Python object per move: the pool's
-cascade appends a move's two slot ids, a run of moves (``add_run``) its two arrays'
-bytes.
+cascade appends a move's two slot ids itself (``BlockPool.move``: no call per move), a
+run of moves (``add_run``) its two arrays' bytes.
 
 ``hand_over`` queues each run's copies with the engine (one ``copy_many`` call per
 run of 32 or more, else one ``copy`` a move), writes the moves to the block log
@@ -43,14 +43,6 @@ class MoveQueue:
 
     def __len__(self) -> int:
         return len(self.srcs)
-
-    def add(self, src: int, dst: int, along: Route) -> None:
-        """One move (the pool's cascade inlines this: keep the two alike)."""
-        if along is not self.last:
-            self.runs.append((along, len(self.srcs)))
-            self.last = along
-        self.srcs.append(src)
-        self.dsts.append(dst)
 
     def add_run(self, srcs: np.ndarray, dsts: np.ndarray, along: Route) -> None:
         """Moves ``srcs[i] -> dsts[i]`` (int64 arrays of one length), in order."""

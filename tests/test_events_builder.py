@@ -26,7 +26,7 @@ class Stream:
 
     def __init__(self, capacity: tuple[int, int, int], tpb: int = TPB):
         self.m = CacheManager(KVLayout(1, 1, 1, "float16", tpb), capacity, NullExecutor())
-        self.recorder = BlockRecorder(self.m.meta, tpb)
+        self.recorder = BlockRecorder()
         self.builder = EventBuilder(self.m.space, tpb, self.m.salt)
         self.m.pool.block_observer = self.recorder
         self.held: dict[str, set[int]] = {m: set() for m in MEDIA}

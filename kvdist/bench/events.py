@@ -134,7 +134,7 @@ def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
             after = clocked.end_step
     elif events == RECORD:
         from ..events.recorder import BlockRecorder
-        recorder = BlockRecorder(m.meta, m.tpb)
+        recorder = BlockRecorder()
         m.pool.block_observer = recorder
         after = functools.partial(recorder.hand_over, _keep_nothing)
     driver = _Driver(m, after)

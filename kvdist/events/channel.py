@@ -53,7 +53,7 @@ class KVEvents:
                 endpoint, replay, cfg.topic, cfg.buffer_steps, replica,
                 EventBuilder(manager.space, manager.tpb, manager.salt).events if build == "events"
                 else lambda step: [])
-        self.recorder = BlockRecorder(manager.meta, manager.tpb)
+        self.recorder = BlockRecorder()
         self._submit = self.publisher.submit
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder

@@ -41,7 +41,6 @@ from array import array
 from collections.abc import Callable, Iterator
 
 from ..block_pool import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED
-from ..blocks import BlockMeta
 
 __all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
            "StepRecords", "records", "step_time", "token_words"]
@@ -73,7 +72,7 @@ class BlockRecorder:
 
     KEEP_WORDS = 1 << 16  # 512 KiB
 
-    def __init__(self, meta: BlockMeta, tokens_per_block: int):
+    def __init__(self) -> None:
         self.ops = _BLANK[:]  # BlockObserver's: the current step's header at _start, its words after it
         self._start = 0
         self._cleared = False
