@@ -5,10 +5,19 @@ change's words written into its typed arrays."""
 
 from __future__ import annotations
 
+import mmap
 from array import array
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_MOVED", "LOG_REGISTERED", "BlockObserver", "HostObserver"]
+Buffer = Any  # a bytes-like object (collections.abc.Buffer from Python 3.12)
+
+__all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_MOVED", "LOG_REGISTERED", "U64", "BlockObserver", "HostObserver"]
+
+# The block log's typecode: unsigned 64-bit words. "L" where C's unsigned long has 64
+# bits (LP64: Linux, macOS), since CPython 3.11 converts an int to an "L" item on a fast
+# path and to a "Q" item through a generic one (a list of words is appended about 25%
+# faster); "Q" elsewhere. The bytes are the same.
+U64 = "L" if array("L").itemsize == 8 else "Q"
 
 
 class HostObserver(Protocol):
@@ -23,7 +32,7 @@ class HostObserver(Protocol):
         from then on."""
 
 
-# The opcodes of the block log (``BlockObserver.ops``).
+# The opcodes of the block log (``BlockObserver.log``).
 LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED = range(4)
 
 
@@ -32,9 +41,12 @@ class BlockObserver(Protocol):
     a block's hash is in meta). Blocks enter on the GPU (registered by the manager) or
     land from another replica, move between tiers, and leave when dropped.
 
-    Nothing is called per change: the pool appends each change's words to ``ops`` (an
-    array of u64), in order, as it makes it, and the observer takes them once a step.
-    Each change is an opcode and its words:
+    Nothing is called per change: the pool writes each change's words into ``log`` (an
+    ``mmap``: ``log.write(data)`` appends ``data``'s bytes at its position), in order,
+    as it makes it, and the observer takes them once a step. A write that does not fit
+    raises ValueError having written nothing (the mmap's "data out of range"); the pool
+    then calls ``overflow(data)``, which writes it. The words are ``U64`` items; each
+    change is an opcode and its words:
 
     * ``LOG_REGISTERED n p hi lo slot*n ids``: ``n`` blocks of a sequence were
       registered in these GPU slots: those now CACHED entered the cache, the others
@@ -50,4 +62,7 @@ class BlockObserver(Protocol):
     * ``LOG_LANDED slot lo``: ``slot`` holds a cached block fetched from another
       replica, the low half of its hash ``lo``."""
 
-    ops: array
+    log: mmap.mmap
+
+    def overflow(self, data: Buffer) -> None:
+        """Write ``data`` (a bytes-like object), which ``log.write`` found no room for."""

@@ -29,21 +29,30 @@ No Python hook runs per block change. When host slots get or lose their blocks,
 (``_tell_host``: the run's host sources and destinations, read off its routes, and the
 host drops since the last call), and once per block landed in the host tier. When a
 cached block enters, moves between or leaves the tiers, its words go to the block
-observer's typed arrays (the KV cache events, ``kvdist.events``, take them once a
-step): the pending moves are held in two u64 arrays already (``MoveQueue``), which
-go to the log whole at ``submit_moves``; a drop, a landing and a registration
-(``log_registered``, the manager's) are written as they happen (``BlockObserver`` has
-the words). With no observer, this costs one test per drop and per ``submit_moves``."""
+observer's log (the KV cache events, ``kvdist.events``, publish it once a step): the
+pending moves are held in two u64 arrays already (``MoveQueue``), which go to the log
+whole at ``submit_moves``; a drop, a landing and a registration (``log_registered``,
+the manager's) are written as they happen (``BlockObserver`` has the words). With no
+observer, this costs one test per drop and per ``submit_moves``."""
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
-from .block_observers import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED, BlockObserver, HostObserver
+from .block_observers import (
+    LOG_DROPPED,
+    LOG_LANDED,
+    LOG_MOVED,
+    LOG_REGISTERED,
+    U64,
+    BlockObserver,
+    HostObserver,
+)
 from .blocks import (
     ACTIVE,
     CACHED,
@@ -69,6 +78,16 @@ __all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_MOVED", "LOG_REGISTERED", "BlockObs
            "HostObserver", "PoolSnapshot"]
 
 _PAD = bytes(4)  # a zero token id: an odd count of them fills its last word
+_JOIN = b"".join  # words of several buffers as one: one write into the log (each write parses its arguments)
+_THREE_WORDS = struct.Struct(f"3{U64}")  # a drop's or a landing's words
+
+
+def _registration(n: int) -> struct.Struct:
+    """The words of a registration of ``n`` blocks before their token ids."""
+    return struct.Struct(f"{5 + n}{U64}")
+
+
+_REGISTRATION = [_registration(n) for n in range(256)]
 
 
 def _as_list(parts: list) -> list[int]:
@@ -126,8 +145,7 @@ class BlockPool:
         self._queue = MoveQueue()  # the moves since the last submit_moves, in order
         self.host_observer: HostObserver | None = None
         self._host_dropped: list[int] = []  # host slots dropped since the last submit_moves
-        self._block_observer: BlockObserver | None = None
-        self.block_log: array | None = None  # the block observer's ops (None: nobody's)
+        self.block_log: BlockObserver | None = None  # who reads the block log (None: nobody)
         self.generation = 0  # grows with every change (see the module docstring)
         self.batch_moves = True  # runs of moves at once (see the module docstring)
         self.transfer_seconds = 0.0  # handing moves to the engine
@@ -135,27 +153,30 @@ class BlockPool:
     @property
     def block_observer(self) -> BlockObserver | None:
         """Who reads the block log (see ``BlockObserver``); None when nobody does."""
-        return self._block_observer
+        return self.block_log
 
     @block_observer.setter
     def block_observer(self, observer: BlockObserver | None) -> None:
         assert not self._queue, "block observer changed while moves are pending"
-        self._block_observer = observer
-        self.block_log = None if observer is None else observer.ops
+        self.block_log = observer
 
     def log_registered(self, slots: list[int], start: int, end: int, tokens: array) -> None:
         """Blocks ``start .. end-1`` of a sequence (GPU ``slots``) were registered, their
         int32 token ids ``tokens``: their words for the block observer (set), the hash
         of the block before the first read now (its slot may be reused before the
         observer reads)."""
-        ops = self.block_log
+        n = end - start
+        pack = _REGISTRATION[n].pack if n < len(_REGISTRATION) else _registration(n).pack
         if start:
             p = slots[start - 1]
-            ops.fromlist([LOG_REGISTERED, end - start, 1, self.meta.hi_mv[p], self.meta.lo_mv[p],
-                          *slots[start:end]])
+            head = pack(LOG_REGISTERED, n, 1, self.meta.hi_mv[p], self.meta.lo_mv[p], *slots[start:end])
         else:
-            ops.fromlist([LOG_REGISTERED, end - start, 0, 0, 0, *slots[:end]])
-        ops.frombytes(tokens.tobytes() if not len(tokens) & 1 else tokens.tobytes() + _PAD)
+            head = pack(LOG_REGISTERED, n, 0, 0, 0, *slots[:end])
+        words = _JOIN((head, tokens) if not len(tokens) & 1 else (head, tokens, _PAD))  # one write: a C call
+        try:
+            self.block_log.log.write(words)
+        except ValueError:
+            self.block_log.overflow(words)
 
     # -- counts ----------------------------------------------------------------------------------
     def free_count(self, tier: int) -> int:
@@ -399,7 +420,11 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self._host_dropped.append(slot)  # told at the next submit_moves
         if self.block_log is not None:
-            self.block_log.extend((LOG_DROPPED, slot, len(self._queue.srcs)))
+            words = _THREE_WORDS.pack(LOG_DROPPED, slot, len(self._queue.srcs))
+            try:
+                self.block_log.log.write(words)
+            except ValueError:
+                self.block_log.overflow(words)
 
     def _offload_slot(self) -> int:
         """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
@@ -485,7 +510,11 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self.host_observer.host_changed([], [slot])
         if self.block_log is not None:
-            self.block_log.extend((LOG_LANDED, slot, meta.lo_mv[slot]))
+            words = _THREE_WORDS.pack(LOG_LANDED, slot, meta.lo_mv[slot])
+            try:
+                self.block_log.log.write(words)
+            except ValueError:
+                self.block_log.overflow(words)
         return True
 
     def release(self, slot: int) -> None:

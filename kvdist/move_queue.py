@@ -15,16 +15,18 @@ the remote tier's stamps (rule R2), before ``hand_over``."""
 
 from __future__ import annotations
 
+import struct
 from array import array
 
 import numpy as np
 
-from .block_observers import LOG_MOVED
+from .block_observers import LOG_MOVED, U64, BlockObserver
 from .blocks import HOST
 from .transfer import Route, TransferEngine
 
 __all__ = ["COPY_MANY_FROM", "MoveQueue"]
 
+_TWO_WORDS = struct.Struct(f"2{U64}")  # the head of a run's words in the log
 COPY_MANY_FROM = 32  # copies of a run; fewer go to the engine one by one (see hand_over)
 
 
@@ -37,7 +39,7 @@ class MoveQueue:
     __slots__ = ("dsts", "last", "runs", "srcs")
 
     def __init__(self) -> None:
-        self.srcs, self.dsts = array("Q"), array("Q")  # the block log's type: extended as they are
+        self.srcs, self.dsts = array("Q"), array("Q")  # u64: the log's words as they are (joined whole)
         self.runs: list[tuple[Route, int]] = []
         self.last: Route | None = None
 
@@ -70,9 +72,9 @@ class MoveQueue:
                 filled += self.dsts[a:b].tolist()
         return emptied, filled
 
-    def hand_over(self, engine: TransferEngine, log: array | None) -> None:
+    def hand_over(self, engine: TransferEngine, observer: BlockObserver | None) -> None:
         """Queue every run's copies with ``engine`` in order, append the moves to the
-        block log ``log`` (u64 words; None: nobody's), and empty the queue."""
+        block observer's log (None: nobody's), and empty the queue."""
         srcs, dsts = self.srcs, self.dsts
         for along, a, b in self._spans():
             if b - a < COPY_MANY_FROM:
@@ -82,10 +84,12 @@ class MoveQueue:
             else:  # the slices are the engine's: never a view of the arrays, which grow
                 engine.copy_many(along, np.frombuffer(srcs[a:b], dtype=np.int64),
                                  np.frombuffer(dsts[a:b], dtype=np.int64))
-        if log is not None:
-            log.extend((LOG_MOVED, len(srcs)))
-            log.extend(srcs)
-            log.extend(dsts)
+        if observer is not None:
+            words = b"".join((_TWO_WORDS.pack(LOG_MOVED, len(srcs)), srcs, dsts))  # one write (a C call)
+            try:
+                observer.log.write(words)
+            except ValueError:
+                observer.overflow(words)
         del srcs[:], dsts[:]
         self.runs.clear()
         self.last = None

@@ -46,7 +46,8 @@ class Stream:
         self.apply()
 
     def apply(self) -> None:
-        events = self.builder.events(self.recorder.take())
+        step = self.recorder.take()
+        events = self.builder.events(step) if step is not None else []
         self.events += events
         for ev in events:
             if type(ev) is BlockStored:

@@ -21,8 +21,10 @@ import pytest
 pytest.importorskip("zmq")
 
 import kvdist  # noqa: E402
+from kvdist.block_observers import U64  # noqa: E402
 from kvdist.events.process import ProcessPublisher  # noqa: E402
-from kvdist.events.ring import RingReader, RingWriter, make_ring_fd  # noqa: E402
+from kvdist.events.recorder import CLEARED  # noqa: E402
+from kvdist.events.shared_log import BASE, HEAD, HEADER_BYTES, LogReader, LogWriter, make_log_fd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = "kvdist.events.child"
@@ -34,7 +36,8 @@ from array import array
 from kvdist.events.process import ProcessPublisher
 pub = ProcessPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 100, 0, (8, 8, 0), 4, b"s" * 16,
                        build="empty")
-pub.submit(array("Q", [2, 0]))
+pub.recorder.cleared()
+pub.end_step()
 print(pub.pid, flush=True)
 time.sleep(600)
 """
@@ -136,7 +139,8 @@ def test_close_leaves_no_process_descriptor_socket_file_or_shm_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pub", "replay"]
     assert any("memfd:kvdist-events" in f for f in _fds())
     for _ in range(10):
-        pub.submit(array("Q", [2, 0]))
+        pub.recorder.cleared()
+        assert pub.end_step()
     pub.close()
     assert pub.figures()["published"] == 10 and pub.figures()["unread"] == 0
     assert _gone(child) and child not in _children()
@@ -144,6 +148,48 @@ def test_close_leaves_no_process_descriptor_socket_file_or_shm_file(tmp_path):
     assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) == shm
     assert _fds() == fds, f"descriptors left open: {_fds() - fds}"
     pub.close()  # idempotent
+
+
+def _cleared_words(pub: ProcessPublisher, n: int) -> None:
+    """``n`` CLEARED words into the publisher's log, as the pool writes its words."""
+    words = array(U64, [CLEARED] * n)
+    try:
+        pub.recorder.log.write(words)
+    except ValueError:
+        pub.recorder.overflow(words)
+
+
+def test_steps_are_dropped_from_the_one_that_finds_the_child_gone_on(caplog):
+    """The child killed: steps are published while the log has room; the first that
+    finds none publishes what fits, waits, sees the child gone and gives up (one
+    warning); that step and every one after it is dropped, and nothing more is
+    published."""
+    pub = ProcessPublisher("tcp://127.0.0.1:0", None, "", 100, 0, (8, 8, 0), 4, b"s" * 16, build="none",
+                           log_bytes=4096, stall_s=60.0)
+    try:
+        os.kill(pub.pid, signal.SIGKILL)
+        assert _wait_gone(pub.pid)
+        with caplog.at_level("WARNING", logger="kvdist.events"):
+            t0 = time.monotonic()
+            for _ in range(3):  # 1 KiB steps: 127 words and the trailer's two
+                _cleared_words(pub, 127)
+                assert pub.end_step()
+            assert (pub.submitted, pub.dropped) == (3, 0)
+            _cleared_words(pub, 127)
+            assert time.monotonic() - t0 < 30, "it waited for a child that is gone"
+            head = pub.recorder.words[HEAD]
+            assert head == 4096, "what fits is published before the writer waits"
+            pub.end_step()
+            for n in (127, 1000, 1):
+                _cleared_words(pub, n)
+                assert pub.end_step()
+            assert pub.recorder.words[HEAD] == head, "published after the writer gave up"
+        assert [r.getMessage() for r in caplog.records] == [
+            "kvdist events: the publisher process has exited; no more events are published"]
+        assert (pub.submitted, pub.dropped) == (3, 4)
+    finally:
+        pub.close()
+    assert pub.stats()["dropped"] == 4 and pub.stats()["submitted"] == 3
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -164,50 +210,91 @@ def test_a_publisher_that_cannot_bind_says_which_key_and_leaves_no_process():
         taken.close()
 
 
-def test_the_ring_carries_any_stream_byte_for_byte():
-    """Messages of random sizes, some larger than the ring, through a 4 KiB ring whose
-    reader only reads when the writer waits for room: the bytes read are the bytes
-    written, in order, however they wrap."""
+def test_the_log_carries_any_stream_byte_for_byte():
+    """Writes of random sizes, some larger than the log, into a 4 KiB log as the pool
+    writes (``write``, and ``overflow`` when it does not fit), published at random
+    points; the reader reads only when the writer waits for it: the bytes read are the
+    bytes written, in order, however they are cut."""
     cap = 4096
-    fd = make_ring_fd(cap)
-    writer, reader = RingWriter(fd, cap), RingReader(fd, cap)
-    os.close(fd)
+    fd = make_log_fd(cap)
     got = bytearray()
     waits = 0
 
-    def wait() -> bool:
+    def wait(first: bool) -> bool:
         nonlocal waits
         waits += 1
         got.extend(reader.read())
         return True
 
+    writer, reader = LogWriter(fd, cap, wait), LogReader(fd, cap)
+    os.close(fd)
     rng = random.Random(5)
     sent = bytearray()
     try:
         for _ in range(300):
-            head = rng.randbytes(16)
             ops = array("Q", [rng.getrandbits(64) for _ in range(rng.choice([0, 1, 7, 100, 900]))])
             toks = array("i", [rng.randrange(-2**31, 2**31) for _ in range(rng.choice([0, 3, 64, 1500]))])
-            msg = head + ops.tobytes()
-            assert writer.write(msg, len(msg), wait)
-            assert writer.write(toks, len(toks) * 4, wait)  # a typed array's bytes as they are
-            msg += toks.tobytes()
-            sent += msg
+            for data in (rng.randbytes(16), ops, toks):  # a typed array's bytes as they are
+                try:
+                    writer.log.write(data)
+                except ValueError:
+                    writer.overflow(data)
+                sent += bytes(data)
+            if rng.random() < 0.5:
+                assert writer.publish() == len(sent)
+            if rng.random() < 0.1:
+                got.extend(reader.read())
+        writer.publish()
         got.extend(reader.read())
-        assert waits > 0, "the stream must outgrow the ring"
+        assert waits > 0, "the stream must outgrow the log"
         assert bytes(got) == bytes(sent)
     finally:
         writer.close()
         reader.close()
 
 
-def test_a_writer_gives_up_when_told_to():
+def test_a_writer_starts_again_at_the_front_once_half_full_and_read():
+    """Past half of the data area, a step's end moves its unpublished bytes to the front
+    only when the reader has read everything published before: no wait, no wrap."""
     cap = 4096
-    fd = make_ring_fd(cap)
-    writer = RingWriter(fd, cap)
+    fd = make_log_fd(cap)
+    writer, reader = LogWriter(fd, cap, lambda first: False), LogReader(fd, cap)
     os.close(fd)
     try:
-        assert writer.write(b"x" * 4000, 4000, lambda: False)
-        assert not writer.write(b"y" * 200, 200, lambda: False)
+        writer.log.write(b"a" * 2100)
+        writer.publish()
+        assert writer.log.tell() == HEADER_BYTES + 2100  # past half: not read yet, so not moved
+        writer.log.write(b"b" * 100)
+        writer.publish()
+        assert reader.read() == b"a" * 2100 + b"b" * 100
+        writer.log.write(b"c" * 50)
+        assert writer.publish() == 2250
+        assert writer.log.tell() == HEADER_BYTES + 50 and writer.words[BASE] == 2200
+        assert reader.read() == b"c" * 50 and not writer.broken
     finally:
         writer.close()
+        reader.close()
+
+
+def test_a_writer_gives_up_when_told_to_and_publishes_nothing_more():
+    cap = 4096
+    fd = make_log_fd(cap)
+    calls: list[bool] = []
+    writer = LogWriter(fd, cap, lambda first: calls.append(first) or len(calls) < 3)
+    reader = LogReader(fd, cap)
+    os.close(fd)
+    try:
+        writer.log.write(b"x" * 4000)
+        try:
+            writer.log.write(b"y" * 200)
+        except ValueError:
+            writer.overflow(b"y" * 200)  # 96 bytes fit: published, then three waits
+        assert calls == [True, False, False] and writer.broken
+        assert reader.read() == b"x" * 4000 + b"y" * 96
+        writer.log.write(b"z" * 8)
+        writer.publish()
+        assert reader.read() == b"" and calls == [True, False, False]
+        assert writer.dropped == 1
+    finally:
+        writer.close()
+        reader.close()

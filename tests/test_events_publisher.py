@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("zmq")
 
 from kvdist.events.publisher import ThreadPublisher  # noqa: E402
+from kvdist.events.recorder import STEP_END  # noqa: E402
 
 
 def test_submitting_wakes_nothing_and_close_publishes_every_batch_in_order():
@@ -22,13 +23,13 @@ def test_submitting_wakes_nothing_and_close_publishes_every_batch_in_order():
     built: list[tuple[int, int]] = []  # (record, thread) of each batch built
 
     def build(step):
-        built.append((step[2], threading.get_ident()))
+        built.append((step[0], threading.get_ident()))
         return []
 
     pub = ThreadPublisher("tcp://127.0.0.1:0", None, "", 1000, 0, build, linger_s=10.0, period_s=60.0)
     try:
         for i in range(100):
-            pub.submit(array("Q", [3, 0, i]))
+            pub.submit(array("Q", [i, STEP_END, 0]))
         time.sleep(0.3)  # a thread woken per batch would have built them all by now
         assert built == [] and pub.stats()["published"] == 0 and pub.submitted == 100
     finally:

@@ -3,14 +3,15 @@
 replayed through kvdist's :class:`~kvdist.manager.CacheManager` over GPU, host and disk
 tiers, interleaved, side by side: events off; recording only (the recorder,
 ``kvdist.events``, hears every block stored into, moved between and dropped from the
-tiers, and each step's records are taken at its end); and each step's records handed to
-a publisher — the cache's, a process of its own fed through shared memory
-(``kvdist.events.process``), or a thread of the cache's process
+tiers, and each step's records are handed over at its end to nobody); and each step's
+records handed to a publisher — the cache's, a process of its own that reads them
+where the pool wrote them, in shared memory (``kvdist.events.process``), or a thread
+of the cache's process
 (``kvdist.events.publisher``, as kvdist published before) — that builds, encodes and
 sends the batches on a loopback PUB socket (with ``--subscriber``, a subscriber process
 reads them all), or, idle, builds no event (empty batches: the publisher's presence
-alone), or (a process only) reads the steps from the ring and drops them: the step
-thread's own share, recording and the copy into the ring. A control: events off with
+alone), or (a process only) reads the steps from the log and drops them: the step
+thread's own share, recording and publishing. A control: events off with
 a process beside it that keeps a CPU busy — on a machine of few cores (the dev box has
 two) a process on the other core slows the step thread's CPU as the publisher's own
 work does, whatever it is. Last, the events' own call on the step thread, each step's hand-over
@@ -25,7 +26,6 @@ shown beside it."""
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import subprocess
 import sys
@@ -74,7 +74,7 @@ class _Timed:
 
     def __init__(self, recorder, end_step):
         self.ns, self.calls = 0, 0
-        self.ops = recorder.ops  # the pool writes into the recorder's
+        self.log, self.overflow = recorder.log, recorder.overflow  # the pool writes into the recorder's
         self.end_step = self._timed(end_step)
 
     def _timed(self, f):
@@ -96,10 +96,6 @@ class _Timed:
             clock()
             clock()
         return (clock() - t0) / n
-
-
-def _keep_nothing(ops) -> None:
-    """Recording only: each step's records handed over to nobody."""
 
 
 OFF, RECORD = "events off", "recording only"
@@ -136,7 +132,7 @@ def run(trace, capacity: tuple[int, int, int], block_size: int, events: str,
         from ..events.recorder import BlockRecorder
         recorder = BlockRecorder()
         m.pool.block_observer = recorder
-        after = functools.partial(recorder.hand_over, _keep_nothing)
+        after = recorder.skip
     driver = _Driver(m, after)
     gc.collect()
     cpu = time.thread_time()
@@ -228,7 +224,7 @@ def main(argv: list[str]) -> int:
               "with a publisher (the idle ones' batches are empty; each run binds a new socket; what one "
               "sends before the subscriber has reconnected is lost to it)")
     own_us = min(direct)
-    print(f"the events' own call on the step thread (the records taken and handed to the process, timed "
+    print(f"the events' own call on the step thread (the step's records ended and published, timed "
           f"each step, best of {args.repeat}; the pool's writes inside the cache's calls not included): "
           f"{own_us:.2f} µs a step, {own_us / cpu[OFF] * 100:.2f}% of the step with events off")
 
@@ -238,8 +234,8 @@ def main(argv: list[str]) -> int:
     overhead = cpu[PROC] / cpu[OFF] - 1
     own = cpu[PROC_READ] / cpu[OFF] - 1
     print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:+.1f}% "
-          f"{'PASS' if overhead < 0.01 else 'MISS'}; the step thread's own share (recording and the copy "
-          f"into the ring, the child only draining it): {own * 100:+.1f}% "
+          f"{'PASS' if overhead < 0.01 else 'MISS'}; the step thread's own share (recording and "
+          f"publishing, the child only draining the log): {own * 100:+.1f}% "
           f"{'PASS' if own < 0.01 else 'MISS'}. "
           f"Recording alone: {pct(RECORD)}; the publisher in a thread instead: {pct(THREAD)}; the step "
           f"with events off beside a process that keeps a CPU busy: {pct(BUSY)} (on a machine of few "

@@ -3,10 +3,10 @@ stores and removes, published by TP rank 0 of every replica in vLLM's wire forma
 ZMQ (``cache.events``), and the subscriber side a router uses. Needs the ``events``
 extra (pyzmq, msgspec).
 
-Cache side: ``recorder`` (the pool's block observer: flat record arrays), ``channel``
-(the wiring), ``endpoints`` (where a replica publishes), ``process`` (the publisher, a
-process of its own fed through the shared-memory ``ring``; its main is ``child``) or
-``publisher`` (the same on a thread, for ``bench events``). In the publisher:
+Cache side: ``recorder`` (the pool's block observer: the records, written in place into
+the ``shared_log``), ``channel`` (the wiring), ``endpoints`` (where a replica
+publishes), ``process`` (the publisher, a process of its own that reads the log; its
+main is ``child``) or ``publisher`` (the same on a thread, for ``bench events``). In the publisher:
 ``batcher`` (records -> events), ``server`` (PUB + replay sockets).
 Subscriber side: ``subscriber`` (a gap-free stream), ``block_index`` (per-replica block
 sets, longest cached prefix). Both speak ``wire``."""

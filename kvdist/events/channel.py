@@ -5,29 +5,35 @@ endpoint that cannot be bound fails the start-up like any other local error."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 from ..config import EventsConfig
 from ..manager import CacheManager
 from .endpoints import replica_endpoints
-from .recorder import BlockRecorder, StepRecords
+from .recorder import BlockRecorder
 
 __all__ = ["KVEvents", "Publisher"]
 
 
 class Publisher(Protocol):
-    """What the channel needs of a publisher (``kvdist.events.process``, ``.publisher``)."""
+    """What the channel needs of a publisher (``kvdist.events.process``, ``.publisher``):
+    the recorder the pool writes into, which it reads."""
 
     endpoint: str
     replay_endpoint: str | None
+    recorder: BlockRecorder
 
-    def submit(self, step: StepRecords) -> None:
-        """One step's records, the header filled in (``BlockRecorder.hand_over``): the
-        recorder's own array, reused once this returns (copy what is kept)."""
+    def end_step(self) -> None:
+        """The step's changes, if any, become the next batch."""
 
     def stats(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+def _nothing() -> None:
+    """A closed channel's step end."""
 
 
 class KVEvents:
@@ -53,14 +59,12 @@ class KVEvents:
                 endpoint, replay, cfg.topic, cfg.buffer_steps, replica,
                 EventBuilder(manager.space, manager.tpb, manager.salt).events if build == "events"
                 else lambda step: [])
-        self.recorder = BlockRecorder()
-        self._submit = self.publisher.submit
+        self.recorder = self.publisher.recorder
         self._manager: CacheManager | None = manager
         manager.pool.block_observer = self.recorder
-
-    def end_step(self) -> None:
-        """The step's changes, if any, become the next batch."""
-        self.recorder.hand_over(self._submit)
+        # The step's changes, if any, become the next batch: the publisher's own call
+        # (the cache's: the recorder's hand-over, with no call of ours around it).
+        self.end_step: Callable[[], object] = self.publisher.end_step
 
     def close(self) -> None:
         """Publish what is left and AllBlocksCleared, then stop (idempotent)."""
@@ -69,8 +73,9 @@ class KVEvents:
         self._manager.pool.block_observer = None
         self._manager = None
         self.recorder.cleared()
-        self.recorder.hand_over(self._submit)
+        self.end_step()
         self.publisher.close()
+        self.end_step = _nothing
 
     def stats(self) -> dict:
         return self.publisher.stats()

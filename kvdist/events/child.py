@@ -5,12 +5,12 @@ Its standard input is the control pipe: the first line is its settings (JSON); t
 nothing comes but the end of file, when the parent closes it or dies. It answers one
 line (JSON) on standard output once its sockets are bound: their endpoints, or the
 ConfigError that binding raised. Then, every ``period_s`` while steps come (every
-``idle_s`` after a look at the ring that found nothing) and whenever a replay
-request or the end of file comes, it reads what the step thread wrote to the ring
-(``kvdist.events.ring``: each step's ``ops`` as ``kvdist.events.recorder`` hands
-them over), publishes each step as the next batch (``kvdist.events.server``), answers
-replays — a replay therefore holds every batch written before its request came — and
-writes its figures in the ring's header.
+``idle_s`` after a look at the log that found nothing) and whenever a replay
+request or the end of file comes, it reads what the cache published in the shared
+block log (``kvdist.events.shared_log``: each step's records as
+``kvdist.events.recorder`` hands them over), publishes each step as the next batch
+(``kvdist.events.server``), answers replays — a replay therefore holds every batch
+published before its request came — and writes its figures in the log's header.
 At the end of file it publishes what is left, lets the sockets send (``linger_s``)
 and exits.
 
@@ -26,15 +26,12 @@ import ctypes
 import json
 import os
 import signal
-import struct
 import sys
 import time
-from array import array
 
 __all__ = ["FIGURES", "main"]
 
-_WORDS = struct.Struct("=Q")  # a step's first word: its length in words
-# Header words of the ring (after HEAD, TAIL) this process keeps current, in order.
+# Header words of the log (from shared_log.FIGURES_AT on) this process keeps current, in order.
 FIGURES = ("published", "replays", "failed", "cpu_ns", "alive")  # cpu_ns: since its sockets were bound
 _PR_SET_PDEATHSIG = 1
 
@@ -47,30 +44,6 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # the parent died before the call above
         raise SystemExit(0)
-
-
-class _Steps:
-    """Cuts the stream into steps (each step's ``ops``, its first word its length in
-    words: ``kvdist.events.recorder``)."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[array]:
-        buf = self._buf
-        buf += data
-        out, at = [], 0
-        while len(buf) - at >= 8:
-            (n_ops,) = _WORDS.unpack_from(buf, at)
-            end = at + 8 * n_ops
-            if end > len(buf):
-                break
-            ops = array("Q")
-            ops.frombytes(buf[at:end])
-            out.append(ops)
-            at = end
-        del buf[:at]
-        return out
 
 
 def main() -> int:
@@ -86,15 +59,16 @@ def main() -> int:
     from ..blocks import SlotSpace
     from ..errors import ConfigError
     from .batcher import EventBuilder
-    from .ring import RingReader
+    from .recorder import Steps
     from .server import EventServer
+    from .shared_log import FIGURES_AT, LogReader
 
-    ring = RingReader(settings["ring_fd"], settings["ring_bytes"])
-    os.close(settings["ring_fd"])
+    log = LogReader(settings["log_fd"], settings["log_bytes"])
+    os.close(settings["log_fd"])
     if settings["build"] == "events":
         build = EventBuilder(SlotSpace(tuple(settings["capacity"])), settings["block_size"],
                              bytes.fromhex(settings["salt"])).events
-    else:  # bench events: empty batches ("empty"), or nothing read but the ring's bytes ("none")
+    else:  # bench events: empty batches ("empty"), or nothing read but the log's bytes ("none")
         def build(step):
             return []
     out = sys.stdout
@@ -105,12 +79,12 @@ def main() -> int:
     except ConfigError as e:
         out.write(json.dumps({"error": [e.key, e.value, e.problem]}) + "\n")
         out.flush()
-        ring.close()
+        log.close()
         return 2
     out.write(json.dumps({"endpoint": server.endpoint, "replay_endpoint": server.replay_endpoint}) + "\n")
     out.flush()
 
-    steps, words, first = _Steps(), ring.words, 2
+    steps, words, first = Steps(settings["block_size"]), log.words, FIGURES_AT
     poller = zmq.Poller()
     poller.register(0, zmq.POLLIN)
     if server.replay is not None:
@@ -125,7 +99,7 @@ def main() -> int:
         ready = dict(poller.poll(wait_ms))
         if ready.get(0):
             ending = os.read(0, 4096) == b""  # nothing else ever comes
-        data = ring.read()
+        data = log.read()
         wait_ms = period_ms if data else idle_ms
         if settings["build"] != "none":
             for step in steps.feed(data):
@@ -136,7 +110,7 @@ def main() -> int:
             words[first + i] = v
     words[first + FIGURES.index("alive")] = 0
     server.close()
-    ring.close()
+    log.close()
     return 0
 
 

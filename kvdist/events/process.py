@@ -1,19 +1,20 @@
-"""The events' publisher in a process of its own (``kvdist.events.child``), fed through
-shared memory (``kvdist.events.ring``): the step thread's whole share of publishing is
-to copy a step's two record arrays into the ring — no system call, no lock, no
-thread of this process woken, nothing built or encoded here. The child builds the
-events, encodes them, numbers and sends the batches and serves
+"""The events' publisher in a process of its own (``kvdist.events.child``), reading the
+block log in shared memory (``kvdist.events.shared_log``): the manager's pool writes each
+change there as it makes it, and the step thread's whole share of publishing is the
+recorder's ``hand_over`` — a trailer and a store of the log's head: nothing copied, no
+system call, no lock, no thread of this process woken, nothing built or encoded here.
+The child builds the events, encodes them, numbers and sends the batches and serves
 replays; its CPU is not this process's, and it never holds this process's interpreter.
 
 The child is started with this process's interpreter (``subprocess``: fork and exec at
 once; safe after MPI's start-up, unlike a bare fork) and dies with it (the child's
 docstring). ``close`` ends the child after it has published everything written and
-leaves no process, socket or file behind (the ring has no name).
+leaves no process, socket or file behind (the log has no name).
 
-The ring is bounded (``ring_bytes``). A step that finds it full waits for the child;
+The log is bounded (``log_bytes``). A write that finds it full waits for the child;
 when the child is gone, or has taken nothing for ``stall_s``, the stream ends there:
-a warning, and later steps are counted in ``dropped`` (subscribers stop hearing the
-replica; nothing is numbered past the last batch written)."""
+a warning, and the steps from then on are counted in ``dropped`` (subscribers stop
+hearing the replica; nothing is numbered past the last step published whole)."""
 
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ from typing import Literal
 
 from ..errors import ConfigError
 from .child import FIGURES
-from .recorder import StepRecords
-from .ring import HEAD, TAIL, RingWriter, make_ring_fd
+from .recorder import BlockRecorder
+from .shared_log import FIGURES_AT, HEAD, TAIL, make_log_fd
 
-__all__ = ["IDLE_S", "PERIOD_S", "RING_BYTES", "ProcessPublisher"]
+__all__ = ["IDLE_S", "PERIOD_S", "LOG_BYTES", "ProcessPublisher"]
 
 log = logging.getLogger("kvdist.events")
 
-RING_BYTES = 16 << 20  # the steps the child has not read yet (about 1 KiB a step on bench events' trace)
-# The child looks at the ring this often while steps come, and IDLE_S after a look that
+LOG_BYTES = 16 << 20  # the log's data area (about 1.2 KiB a step on bench events' trace)
+# The child looks at the log this often while steps come, and IDLE_S after a look that
 # found none (at once, whatever the period, for a replay request or the end). On the dev
 # box's two vCPUs any process's wake beside the step costs the step (bench events): a
 # process sleeping 1 / 5 / 50 ms at a time cost it +10.5% / +2.9% / +0.8%. A router
@@ -58,24 +59,25 @@ class ProcessPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, buffer_steps: int,
                  data_parallel_rank: int, capacity: tuple[int, int, int], block_size: int, salt: bytes,
                  build: Literal["events", "empty", "none"] = "events", linger_s: float = 1.0,
-                 period_s: float = PERIOD_S, idle_s: float = IDLE_S, ring_bytes: int = RING_BYTES,
+                 period_s: float = PERIOD_S, idle_s: float = IDLE_S, log_bytes: int = LOG_BYTES,
                  stall_s: float = 30.0):
         self.data_parallel_rank = data_parallel_rank
         self._linger_s, self._stall_s = linger_s, stall_s
-        self.submitted = 0  # batches written to the ring (numbered 0 .. submitted-1 by the child)
-        self.dropped = 0  # batches not written: the child was gone or stalled
-        self._ring: RingWriter | None = None
+        self._waited = 0.0  # when the step now waiting for room began to wait
+        self._writer: BlockRecorder | None = None
         self._proc: subprocess.Popen | None = None
         self._final: dict[str, int] | None = None
-        fd = make_ring_fd(ring_bytes)
+        fd = make_log_fd(log_bytes)
         try:
-            self._ring = RingWriter(fd, ring_bytes)
+            # The pool's block observer: its log is the shared memory the child reads.
+            self.recorder = self._writer = BlockRecorder(fd, log_bytes, self._wait)
+            self.end_step = self.recorder.hand_over  # the step thread's call: publish the step
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
             self._proc = subprocess.Popen([sys.executable, "-m", "kvdist.events.child"],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,),
                                           env=env)
-            settings = {"ring_fd": fd, "ring_bytes": ring_bytes, "endpoint": endpoint,
+            settings = {"log_fd": fd, "log_bytes": log_bytes, "endpoint": endpoint,
                         "replay_endpoint": replay_endpoint, "topic": topic, "buffer_steps": buffer_steps,
                         "data_parallel_rank": data_parallel_rank, "capacity": list(capacity),
                         "block_size": block_size, "salt": salt.hex(), "build": build, "linger_s": linger_s,
@@ -111,37 +113,33 @@ class ProcessPublisher:
         return json.loads(line)
 
     # -- the step thread ------------------------------------------------------------------------------
-    def submit(self, step: StepRecords) -> None:
-        """Hand one step's records over as the next batch (its bytes copied into the ring)."""
-        ring = self._ring
-        if ring is None or self.dropped:
-            self.dropped += 1
-            return
-        if ring.write(step, len(step) * 8, self._wait):
-            self.submitted += 1
-            if self._waited is not None:
-                self._waited = None
-        else:
-            self.dropped += 1
-            log.warning("kvdist events: the publisher process %s; no more events are published",
-                        "has exited" if self._proc.poll() is not None else
-                        f"took nothing for {self._stall_s:.0f} s")
+    @property
+    def submitted(self) -> int:
+        """Steps published whole (numbered 0 .. submitted-1 by the child)."""
+        return self._writer.steps if self._writer is not None else self._final["steps"]
 
-    def _wait(self) -> bool:
-        """Waiting for room in the ring: False to give up."""
-        if self._waited is None:
+    @property
+    def dropped(self) -> int:
+        """Steps not published: the child was gone or stalled."""
+        return self._writer.dropped if self._writer is not None else self._final["dropped"]
+
+    def _wait(self, first: bool) -> bool:
+        """Waiting for the child to read the log (``first``: the first wait of this
+        write): False to give up (the stream ends there)."""
+        if first:
             self._waited = time.monotonic()
-        if self._proc.poll() is not None or time.monotonic() - self._waited > self._stall_s:
+        gone = self._proc is None or self._proc.poll() is not None
+        if gone or time.monotonic() - self._waited > self._stall_s:
+            log.warning("kvdist events: the publisher process %s; no more events are published",
+                        "has exited" if gone else f"took nothing for {self._stall_s:.0f} s")
             return False
         time.sleep(0.001)
         return True
 
-    _waited: float | None = None
-
     # -- figures and the end ----------------------------------------------------------------------------
     def figures(self) -> dict[str, int]:
         """The child's figures (``kvdist.events.child.FIGURES``) as it last wrote them,
-        and the ring's bytes it has not read yet (``unread``)."""
+        and the log's bytes it has not read yet (``unread``)."""
         if self._final is None:
             return self._read_figures()
         return dict(self._final)
@@ -154,8 +152,9 @@ class ProcessPublisher:
                 "publisher_seconds": f["cpu_ns"] / 1e9, "publisher": "process", "pid": self.pid}
 
     def _read_figures(self) -> dict[str, int]:
-        words = self._ring.words
-        return {k: words[2 + i] for i, k in enumerate(FIGURES)} | {"unread": words[HEAD] - words[TAIL]}
+        words = self._writer.words
+        figures = {k: words[FIGURES_AT + i] for i, k in enumerate(FIGURES)}
+        return figures | {"unread": words[HEAD] - words[TAIL]}
 
     def close(self) -> None:
         """Let the child publish what was written, and end it (idempotent)."""
@@ -179,7 +178,8 @@ class ProcessPublisher:
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
-        if self._ring is not None:
-            self._final = self._read_figures()
-            self._ring.close()
-            self._ring = None
+        if self._writer is not None:
+            w = self._writer
+            self._final = self._read_figures() | {"steps": w.steps, "dropped": w.dropped}
+            self._writer.close()
+            self._writer = None

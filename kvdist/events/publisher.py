@@ -2,7 +2,7 @@
 published before ``kvdist.events.process``, kept so that ``bench events`` sets the two
 side by side (``KVEvents(..., publisher="thread")``; the cache always uses the process).
 
-``submit`` only queues a step's records; the thread wakes every
+``end_step`` only takes a step's records back from the recorder and queues them; the thread wakes every
 ``period_s`` (or at ``close``), hands every queued step to an
 :class:`~kvdist.events.server.EventServer` (build, encode, number, send) ``_CHUNK`` at a
 time with the interpreter let go in between, answers the replay requests waiting, and
@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable
 
-from .recorder import StepRecords
+from .recorder import BlockRecorder, StepRecords
 from .server import EventServer
 from .wire import KVCacheEvent
 
@@ -46,14 +45,21 @@ class ThreadPublisher:
         self._queue: deque[StepRecords] = deque()
         self._stop = threading.Event()  # close: wake the thread now, publish what is queued, end
         self.submitted = 0
+        self.recorder = BlockRecorder()  # private: its records taken back each step
         self._thread: threading.Thread | None = threading.Thread(target=self._run, name="kvdist-events",
                                                                  daemon=True)
         self._thread.start()
 
+    def end_step(self) -> None:
+        """Queue the step's records, if any, as the next batch (never blocks)."""
+        step = self.recorder.take()
+        if step is not None:
+            self.submit(step)
+
     def submit(self, step: StepRecords) -> None:
-        """Queue (a copy of) one step's records as the next batch (never blocks)."""
+        """Queue one step's records (an array of its own) as the next batch."""
         self.submitted += 1
-        self._queue.append(array("Q", step.tobytes()))
+        self._queue.append(step)
 
     def stats(self) -> dict:
         s = self._server

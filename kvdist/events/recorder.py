@@ -1,14 +1,11 @@
-"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` whose one
-flat typed array holds what changed the blocks of the tiers during a step — no Python
-object per block or per change is kept: ``ops``, unsigned 64-bit words, the
-registered blocks' int32 token ids among them. The manager's pool writes each change's
-words into it as it makes it, with no call into the recorder (the opcodes are
-``BlockObserver``'s, which this module re-exports); ``hand_over``, once a step, fills
-in the header and hands the step's words to the publisher as a view of the array,
-which it copies as they are (``kvdist.events.process``: into the ring of another
-process); the next step's words follow them in the array. Working out which block
-each change concerns, and building and encoding the events, is the builder's
-(``kvdist.events.batcher``), off the step's path.
+"""The cache side of the events: a :class:`~kvdist.block_pool.BlockObserver` whose log
+is the memory its reader reads (``kvdist.events.shared_log``): the manager's pool writes
+each change's words there as it makes it, with no call into the recorder (the
+opcodes are ``BlockObserver``'s, which this module re-exports), and no Python object
+per block or per change is kept. ``hand_over``, once a step, ends the step's records
+with a trailer and publishes them: nothing is copied at a step's end. Working out
+which block each change concerns, and building and encoding the events, is the
+builder's (``kvdist.events.batcher``), in the reader's process.
 
 What the builder cannot work out later is captured by the pool (the slots are
 reused): a registration's slots and token ids, the 128-bit hash of the block before
@@ -16,10 +13,10 @@ its first (from which the builder chains the registered blocks' hashes as the ma
 did), and a landed block's wire hash. Moves and drops name slots alone: the builder
 follows each block from slot to slot in its own copy of the slots' hashes.
 
-``ops`` starts with two header words — its own length in words and the time of the
-hand-over (ns since the epoch) — filled in by ``hand_over`` (or ``take``): a step's
-``ops`` is then one self-describing message. Then, oldest first, each entry an opcode
-and its words:
+The stream is a sequence of u64 words (``U64``): each entry an opcode and its words
+(``BlockObserver`` has those the pool writes), and each step ends with ``STEP_END
+time_ns`` (the time of its hand-over, ns since the epoch); a step with no change is
+not handed over:
 
 * ``REGISTERED n p hi lo slot*n ids``: the GPU slots registered ``n`` blocks, chained
   from the parent hash ``hi << 64 | lo`` (``p`` = 1), or from the layout's salt (``p``
@@ -32,99 +29,143 @@ and its words:
 * ``LANDED slot hash``: a block fetched from another replica (its wire hash);
 * ``CLEARED``: every block is gone (the cache closes).
 
-:func:`records` turns a step's array back into tuples, for the builder."""
+:class:`Steps` cuts the stream into steps (each an array of its words, the trailer
+last) and :func:`records` turns a step back into tuples, for the builder."""
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
 from collections.abc import Callable, Iterator
 
+from ..block_observers import U64
 from ..block_pool import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED
+from .shared_log import LogWriter
 
-__all__ = ["CLEARED", "DROPPED", "HEADER_WORDS", "LANDED", "MOVED", "REGISTERED", "BlockRecorder", "Record",
-           "StepRecords", "records", "step_time", "token_words"]
+__all__ = ["CLEARED", "DROPPED", "LANDED", "MOVED", "PRIVATE_BYTES", "REGISTERED", "STEP_END",
+           "BlockRecorder", "Record", "StepRecords", "Steps", "records", "step_time", "token_words"]
 
-# The pool writes the words of these four (BlockObserver); CLEARED is the recorder's own.
+# The pool writes the words of these four (BlockObserver); CLEARED and STEP_END are the recorder's own.
 REGISTERED, MOVED, DROPPED, LANDED = LOG_REGISTERED, LOG_MOVED, LOG_DROPPED, LOG_LANDED
-CLEARED = 4
+CLEARED, STEP_END = 4, 5
 
 Record = tuple
-StepRecords = array | memoryview  # one step's records (u64 words), the header first
-HEADER_WORDS = 2
-_BLANK = array("Q", (HEADER_WORDS, 0))  # a step's ops before its first record
+StepRecords = array  # one step's records (U64 words), its trailer last
+PRIVATE_BYTES = 1 << 20  # a private log's data area (it starts again at the front past half of it)
+_TRAILER = struct.Struct(f"2{U64}")
+_CLEARED = array(U64, (CLEARED,))
 
 
 def token_words(n_ids: int) -> int:
-    """The words ``n_ids`` int32 token ids take in ``ops`` (two a word)."""
+    """The words ``n_ids`` int32 token ids take (two a word)."""
     return (n_ids + 1) >> 1
 
 
-class BlockRecorder:
-    """Records what changes the tiers' blocks (see the module docstring): the manager's
-    pool appends to ``ops`` on the scheduler thread; ``hand_over`` (or ``take``) hands
-    the records of a step over and starts the next.
+class BlockRecorder(LogWriter):
+    """Records what changes the tiers' blocks (see the module docstring): the writing
+    end of the block log (``kvdist.events.shared_log``), shared with the publisher's process
+    (``fd``, ``wait``: ``LogWriter``'s), or private, read back by ``take``. The manager's
+    pool writes into ``log`` on the scheduler thread (``overflow`` when a write does not
+    fit); ``hand_over`` ends and publishes the records of a step."""
 
-    The array is not emptied each step (emptying gives its memory back, and the next
-    step's records take it again a piece at a time): a step's records are ``ops`` from
-    its header on (``_start``), the next step's header is appended after them, and the
-    array starts again at the front once it holds over ``KEEP_WORDS``."""
-
-    KEEP_WORDS = 1 << 16  # 512 KiB
-
-    def __init__(self) -> None:
-        self.ops = _BLANK[:]  # BlockObserver's: the current step's header at _start, its words after it
-        self._start = 0
-        self._cleared = False
+    def __init__(self, fd: int | None = None, capacity: int = PRIVATE_BYTES,
+                 wait: Callable[[bool], bool] | None = None) -> None:
+        super().__init__(fd, capacity, wait)
 
     def cleared(self) -> None:
         """Every block is gone (the cache closes): the last record of the next hand-over."""
-        self._cleared = True
-
-    def hand_over(self, submit: Callable[[StepRecords], None]) -> None:
-        """``submit(step)`` with the records since the last hand-over, the header filled
-        in, then start afresh; nothing when nothing changed. ``step`` is a view of the
-        recorder's own array, released once ``submit`` returns: it copies what it keeps."""
-        ops, start = self.ops, self._start
-        n = len(ops) - start
-        if n == HEADER_WORDS and not self._cleared:
-            return
-        if self._cleared:
-            ops.append(CLEARED)
-            n += 1
-            self._cleared = False
-        ops[start] = n
-        ops[start + 1] = time.time_ns()
-        step = memoryview(ops)[start:]
         try:
-            submit(step)
-        finally:
-            step.release()
-        if len(ops) > self.KEEP_WORDS:
-            del ops[HEADER_WORDS:]
-            self._start = 0
-        else:
-            self._start = len(ops)
-            ops.extend(_BLANK)
+            self.log.write(_CLEARED)
+        except ValueError:
+            self.overflow(_CLEARED)
 
-    def take(self) -> array:
-        """The records since the last hand-over, as an array of their own (the header
-        alone when nothing changed: do not send it)."""
-        out: list[array] = []
-        self.hand_over(lambda step: out.append(array("Q", step.tobytes())))
-        return out[0] if out else _BLANK[:]
+    def hand_over(self) -> bool:
+        """End the records written since the last hand-over with their trailer and
+        publish them: False (nothing done) when nothing changed."""
+        log = self.log
+        if log.tell() == self.published:
+            return False
+        trailer = _TRAILER.pack(STEP_END, time.time_ns())
+        try:
+            log.write(trailer)
+        except ValueError:
+            self.overflow(trailer)
+        self.publish()
+        return True
+
+    def take(self) -> StepRecords | None:
+        """Private: hand the step over and return its records (None when nothing
+        changed)."""
+        if not self.hand_over():
+            return None
+        out = array(U64)
+        out.frombytes(self.read_back())
+        return out
+
+    def skip(self) -> None:
+        """Private: hand the step over to nobody (``bench events``' recording only)."""
+        if self.hand_over():
+            self.discard()
 
 
-def step_time(ops: array | memoryview) -> float:
+class Steps:
+    """Cuts a stream of records into steps: ``feed`` the bytes as they come (cut
+    anywhere), get each whole step's words (``StepRecords``) once its trailer has come."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self._tpb = tokens_per_block
+        self._words = array(U64)
+        self._at = 0  # the next record's first word in _words (the steps before it are cut off)
+        self._odd = b""  # a word's first bytes, cut off by a read
+
+    def feed(self, data: bytes) -> list[StepRecords]:
+        if self._odd:
+            data = self._odd + data
+        cut = len(data) & ~7
+        self._odd = data[cut:]
+        w = self._words
+        w.frombytes(data[:cut])
+        out, i, start, n, tpb = [], self._at, 0, len(w), self._tpb
+        while i < n:
+            op = w[i]
+            if op == MOVED:
+                if i + 1 >= n:
+                    break
+                size = 2 + 2 * w[i + 1]
+            elif op == REGISTERED:
+                if i + 1 >= n:
+                    break
+                size = 5 + w[i + 1] + token_words(w[i + 1] * tpb)
+            elif op == DROPPED or op == LANDED:
+                size = 3
+            elif op == STEP_END:
+                size = 2
+            else:
+                assert op == CLEARED, f"unknown record {op} in the stream"
+                size = 1
+            if i + size > n:
+                break
+            i += size
+            if op == STEP_END:
+                out.append(w[start:i])
+                start = i
+        del w[:start]
+        self._at = i - start
+        return out
+
+
+def step_time(ops: StepRecords) -> float:
     """The time a step's records were handed over (seconds since the epoch)."""
-    return ops[1] / 1e9
+    return ops[-1] / 1e9
 
 
 def records(ops: StepRecords, tpb: int) -> Iterator[Record]:
     """A step's ``ops`` as tuples, oldest first: ``(REGISTERED, slots, token ids (array
     "i"), parent 128-bit hash | None)``, ``(MOVED, srcs, dsts)``, ``(DROPPED, slot,
-    after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``."""
-    i, n_ops = HEADER_WORDS, len(ops)
+    after)``, ``(LANDED, slot, wire hash)``, ``(CLEARED,)``; the trailer is not one."""
+    i, n_ops = 0, len(ops) - 2
+    assert ops[n_ops] == STEP_END, "a step's records end with its trailer"
     while i < n_ops:
         op = ops[i]
         if op == REGISTERED:
