@@ -87,7 +87,8 @@ def _registration(n: int) -> struct.Struct:
     return struct.Struct(f"{5 + n}{U64}")
 
 
-_REGISTRATION = [_registration(n) for n in range(256)]
+_REGISTRATIONS = 256
+_REGISTRATION = [_registration(n) for n in range(_REGISTRATIONS)]
 
 
 def _as_list(parts: list) -> list[int]:
@@ -166,7 +167,7 @@ class BlockPool:
         of the block before the first read now (its slot may be reused before the
         observer reads)."""
         n = end - start
-        pack = _REGISTRATION[n].pack if n < len(_REGISTRATION) else _registration(n).pack
+        pack = _REGISTRATION[n].pack if n < _REGISTRATIONS else _registration(n).pack
         if start:
             p = slots[start - 1]
             head = pack(LOG_REGISTERED, n, 1, self.meta.hi_mv[p], self.meta.lo_mv[p], *slots[start:end])

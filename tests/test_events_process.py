@@ -23,7 +23,7 @@ pytest.importorskip("zmq")
 import kvdist  # noqa: E402
 from kvdist.block_observers import U64  # noqa: E402
 from kvdist.events.process import ProcessPublisher  # noqa: E402
-from kvdist.events.recorder import CLEARED  # noqa: E402
+from kvdist.events.recorder import CLEARED, STEP_END, BlockRecorder  # noqa: E402
 from kvdist.events.shared_log import BASE, HEAD, HEADER_BYTES, LogReader, LogWriter, make_log_fd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,3 +298,29 @@ def test_a_writer_gives_up_when_told_to_and_publishes_nothing_more():
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_private_recorder_hands_back_each_step_whole_as_its_log_restarts_and_overflows():
+    """A 4 KiB private log, steps of random sizes (some larger than the log): each
+    ``take`` returns exactly the step's words and its trailer, whether the step's end
+    started the log again at the front, or the step's writes filled it (and were kept
+    aside for ``take``)."""
+    rec = BlockRecorder(capacity=4096)
+    rng = random.Random(7)
+    restarts = overflows = 0
+    try:
+        for _ in range(200):
+            words = array(U64, [CLEARED] * rng.choice([1, 5, 100, 300, 700]))
+            base = rec.words[BASE]
+            try:
+                rec.log.write(words)
+            except ValueError:
+                rec.overflow(words)
+                overflows += 1
+            step = rec.take()
+            restarts += rec.words[BASE] != base
+            assert step is not None and step[:-2] == words and step[-2] == STEP_END
+            assert rec.take() is None, "a step with no change is not handed over"
+        assert restarts > 10 and overflows > 10
+    finally:
+        rec.close()

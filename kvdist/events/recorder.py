@@ -34,14 +34,13 @@ last) and :func:`records` turns a step back into tuples, for the builder."""
 
 from __future__ import annotations
 
-import struct
 import time
 from array import array
 from collections.abc import Callable, Iterator
 
 from ..block_observers import U64
 from ..block_pool import LOG_DROPPED, LOG_LANDED, LOG_MOVED, LOG_REGISTERED
-from .shared_log import LogWriter
+from .shared_log import HEAD, HEADER_BYTES, LogWriter
 
 __all__ = ["CLEARED", "DROPPED", "LANDED", "MOVED", "PRIVATE_BYTES", "REGISTERED", "STEP_END",
            "BlockRecorder", "Record", "StepRecords", "Steps", "records", "step_time", "token_words"]
@@ -53,7 +52,7 @@ CLEARED, STEP_END = 4, 5
 Record = tuple
 StepRecords = array  # one step's records (U64 words), its trailer last
 PRIVATE_BYTES = 1 << 20  # a private log's data area (it starts again at the front past half of it)
-_TRAILER = struct.Struct(f"2{U64}")
+_time_ns = time.time_ns
 _CLEARED = array(U64, (CLEARED,))
 
 
@@ -72,6 +71,7 @@ class BlockRecorder(LogWriter):
     def __init__(self, fd: int | None = None, capacity: int = PRIVATE_BYTES,
                  wait: Callable[[bool], bool] | None = None) -> None:
         super().__init__(fd, capacity, wait)
+        self._trailer = array(U64, (STEP_END, 0))  # its time set at each hand-over
 
     def cleared(self) -> None:
         """Every block is gone (the cache closes): the last record of the next hand-over."""
@@ -86,12 +86,19 @@ class BlockRecorder(LogWriter):
         log = self.log
         if log.tell() == self.published:
             return False
-        trailer = _TRAILER.pack(STEP_END, time.time_ns())
+        trailer = self._trailer
+        trailer[1] = _time_ns()
         try:
             log.write(trailer)
         except ValueError:
             self.overflow(trailer)
-        self.publish()
+        pos = log.tell()
+        if pos > self.restart_from or self.slow:
+            self.publish()  # the whole of it: starting again at the front, a fence, or nothing published
+        else:  # publish's common case, without a call
+            self.words[HEAD] = self._head = self._base + pos - HEADER_BYTES
+            self.published = pos
+            self.steps += 1
         return True
 
     def take(self) -> StepRecords | None:

@@ -121,8 +121,9 @@ class LogWriter(_Log):
         self._base = self.words[BASE]
         self._head = self.words[HEAD]  # as last published
         self.published = HEADER_BYTES  # the offset of the first byte not published (the writer's)
-        self._half = HEADER_BYTES + capacity // 2  # past it, a step's end starts again at the front
+        self.restart_from = HEADER_BYTES + capacity // 2  # past it, a step's end may start again at the front
         self.broken = False  # gave up waiting: nothing more is published
+        self.slow = not ORDERED  # a step's end needs the whole of publish (a fence; or the writer gave up)
         self.steps = 0  # steps published whole
         self.dropped = 0  # steps not: the one the writer gave up in, and each later one
         self.log = self.mm  # where writes go: the memory the reader reads, until the writer gives up
@@ -134,7 +135,7 @@ class LogWriter(_Log):
         and the reader has read everything published before, start again at the front."""
         log = self.log
         pos = log.tell()
-        if pos > self._half and self.published != HEADER_BYTES and self.words[TAIL] == self._head:
+        if pos > self.restart_from and self.published != HEADER_BYTES and self.words[TAIL] == self._head:
             self._restart(pos)
             pos = log.tell()
         if not ORDERED:
@@ -190,7 +191,7 @@ class LogWriter(_Log):
     def _give_up(self) -> None:
         """The wait gave up: nothing more is published; the writes go on into memory of
         the writer's own, and each step handed over from this one on is dropped."""
-        self.broken = True
+        self.broken = self.slow = True
         self.log = mmap.mmap(-1, len(self.mm), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.log.seek(HEADER_BYTES)
         self.published = HEADER_BYTES
