@@ -5,13 +5,15 @@ every step, through the eviction cascade's corner cases."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 msgspec = pytest.importorskip("msgspec")
 
 from kvdist.events import prompt_hashes  # noqa: E402
 from kvdist.events.batcher import EventBuilder  # noqa: E402
-from kvdist.events.recorder import BlockRecorder  # noqa: E402
+from kvdist.events.recorder import DROPPED, MOVED, REGISTERED, BlockRecorder, Steps, records  # noqa: E402
 from kvdist.events.wire import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder  # noqa: E402
 from kvdist.layout import KVLayout  # noqa: E402
 from kvdist.manager import CacheManager  # noqa: E402
@@ -172,3 +174,35 @@ def test_an_odd_block_size_pads_each_registration_to_whole_words():
     assert sum(len(e.block_hashes) for e in stored) > len(ids), "blocks must be stored again after moves"
     for e in stored:
         assert e.block_size == tpb and e.token_ids == [t for h in e.block_hashes for t in ids[h]]
+
+
+@pytest.mark.parametrize("tpb", [TPB, 3])
+def test_the_stream_cut_anywhere_gives_back_each_step_whole(tpb):
+    """The publisher reads the log in pieces cut anywhere (a read between the writer's
+    stores, or a step published in parts when the log was full): fed the steps' bytes
+    in random pieces, ``Steps`` gives back exactly the steps, in order, each once its
+    trailer has come — registrations (padded, for an odd block size), moves and drops."""
+    s = Stream((10, 2, 1), tpb=tpb)
+    steps = []
+    for step in range(60):
+        prompt = [7] * tpb * (step % 4 + 1) + [step] * (tpb + 1)
+        s.m.begin_step()
+        s.m.add_sequence(step, prompt)
+        s.m.before_compute()
+        s.m.end_step()
+        if step:
+            s.m.release(step - 1)
+        got = s.recorder.take()
+        if got is not None:
+            steps.append(got)
+    kinds = {r[0] for st in steps for r in records(st, tpb)}
+    assert {REGISTERED, MOVED, DROPPED} <= kinds, kinds
+    data = b"".join(st.tobytes() for st in steps)
+    rng = random.Random(tpb)
+    cut, at, out = Steps(tpb), 0, []
+    while at < len(data):
+        n = rng.choice([1, 3, 8, 13, 64, 500])
+        out += cut.feed(data[at : at + n])
+        at += n
+    assert [o.tobytes() for o in out] == [st.tobytes() for st in steps]
+    assert cut.feed(b"") == []
