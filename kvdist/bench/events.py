@@ -233,10 +233,24 @@ def main(argv: list[str]) -> int:
 
     overhead = cpu[PROC] / cpu[OFF] - 1
     own = cpu[PROC_READ] / cpu[OFF] - 1
+    off_cpu = [c for _, c in runs[OFF]]
+    spread = max(off_cpu) / min(off_cpu) - 1  # events off against itself: what the box's noise is
+    resolved = args.repeat >= 3 and spread < 0.01
+
+    def verdict(x: float) -> str:
+        if not resolved:
+            return "(cannot tell)"
+        return "PASS" if x < 0.01 else "MISS"
+
+    if not resolved:
+        print(f"events off's own {args.repeat} run(s) spread {spread * 100:.1f}%: "
+              f"{'more than the goal' if args.repeat >= 3 else 'too few runs to tell'}, so the verdicts "
+              "below cannot tell 1% (on a shared or small box, count instructions instead: docs/design.md, "
+              "\"KV cache events\")")
     print(f"goal: events cost < 1% of the step thread's bookkeeping: {overhead * 100:+.1f}% "
-          f"{'PASS' if overhead < 0.01 else 'MISS'}; the step thread's own share (recording and "
+          f"{verdict(overhead)}; the step thread's own share (recording and "
           f"publishing, the child only draining the log): {own * 100:+.1f}% "
-          f"{'PASS' if own < 0.01 else 'MISS'}. "
+          f"{verdict(own)}. "
           f"Recording alone: {pct(RECORD)}; the publisher in a thread instead: {pct(THREAD)}; the step "
           f"with events off beside a process that keeps a CPU busy: {pct(BUSY)} (on a machine of few "
           f"cores, what the publisher's own CPU costs the step)")
