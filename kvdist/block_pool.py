@@ -179,6 +179,14 @@ class BlockPool:
         except ValueError:
             self.block_log.overflow(words)
 
+    def _log_change(self, op: int, slot: int, word: int) -> None:
+        """A drop's or a landing's words for the block observer (set)."""
+        words = _THREE_WORDS.pack(op, slot, word)
+        try:
+            self.block_log.log.write(words)
+        except ValueError:
+            self.block_log.overflow(words)
+
     # -- counts ----------------------------------------------------------------------------------
     def free_count(self, tier: int) -> int:
         f = self.free[tier]
@@ -421,11 +429,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self._host_dropped.append(slot)  # told at the next submit_moves
         if self.block_log is not None:
-            words = _THREE_WORDS.pack(LOG_DROPPED, slot, len(self._queue.srcs))
-            try:
-                self.block_log.log.write(words)
-            except ValueError:
-                self.block_log.overflow(words)
+            self._log_change(LOG_DROPPED, slot, len(self._queue.srcs))
 
     def _offload_slot(self) -> int:
         """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
@@ -511,11 +515,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self.host_observer.host_changed([], [slot])
         if self.block_log is not None:
-            words = _THREE_WORDS.pack(LOG_LANDED, slot, meta.lo_mv[slot])
-            try:
-                self.block_log.log.write(words)
-            except ValueError:
-                self.block_log.overflow(words)
+            self._log_change(LOG_LANDED, slot, meta.lo_mv[slot])
         return True
 
     def release(self, slot: int) -> None:

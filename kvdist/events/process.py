@@ -64,13 +64,14 @@ class ProcessPublisher:
         self.data_parallel_rank = data_parallel_rank
         self._linger_s, self._stall_s = linger_s, stall_s
         self._waited = 0.0  # when the step now waiting for room began to wait
-        self._writer: BlockRecorder | None = None
+        self._log_open = False  # the recorder's log is mapped (closed by _end)
         self._proc: subprocess.Popen | None = None
         self._final: dict[str, int] | None = None
         fd = make_log_fd(log_bytes)
         try:
             # The pool's block observer: its log is the shared memory the child reads.
-            self.recorder = self._writer = BlockRecorder(fd, log_bytes, self._wait)
+            self.recorder = BlockRecorder(fd, log_bytes, self._wait)
+            self._log_open = True
             self.end_step = self.recorder.hand_over  # the step thread's call: publish the step
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
@@ -116,12 +117,12 @@ class ProcessPublisher:
     @property
     def submitted(self) -> int:
         """Steps published whole (numbered 0 .. submitted-1 by the child)."""
-        return self._writer.steps if self._writer is not None else self._final["steps"]
+        return self.recorder.steps
 
     @property
     def dropped(self) -> int:
         """Steps not published: the child was gone or stalled."""
-        return self._writer.dropped if self._writer is not None else self._final["dropped"]
+        return self.recorder.dropped
 
     def _wait(self, first: bool) -> bool:
         """Waiting for the child to read the log (``first``: the first wait of this
@@ -152,7 +153,7 @@ class ProcessPublisher:
                 "publisher_seconds": f["cpu_ns"] / 1e9, "publisher": "process", "pid": self.pid}
 
     def _read_figures(self) -> dict[str, int]:
-        words = self._writer.words
+        words = self.recorder.words
         figures = {k: words[FIGURES_AT + i] for i, k in enumerate(FIGURES)}
         return figures | {"unread": words[HEAD] - words[TAIL]}
 
@@ -178,8 +179,7 @@ class ProcessPublisher:
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
-        if self._writer is not None:
-            w = self._writer
-            self._final = self._read_figures() | {"steps": w.steps, "dropped": w.dropped}
-            self._writer.close()
-            self._writer = None
+        if self._log_open:
+            self._final = self._read_figures()
+            self.recorder.close()
+            self._log_open = False

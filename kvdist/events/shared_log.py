@@ -98,16 +98,13 @@ class _Log:
         if not self.mm.closed:
             self.words.release()
             self.mm.close()
-        log = getattr(self, "log", None)
-        if log is not None and not log.closed:
-            log.close()
 
 
 class LogWriter(_Log):
     """The writing end (module docstring): the pool writes into ``log`` (the mmap; its
-    position is the stream's end), the step's end ``publish``-es. ``fd`` None: private memory, read
-    back by ``take`` (``wait`` is then not called: ``overflow`` keeps what is published
-    aside for ``take``). Shared pages are mapped at once (``MAP_POPULATE``): a step never
+    position is the stream's end), the step's end ``publish``-es. ``fd`` None: private
+    memory, read back by ``read_back`` (``wait`` is then not called: ``overflow`` keeps
+    what is published aside for it). Shared pages are mapped at once (``MAP_POPULATE``): a step never
     takes the page fault of a first write. ``wait(first)`` is called while the writer
     waits for the reader (``first``: the first call of this wait); when it returns False
     the writer gives up for good."""
@@ -133,29 +130,25 @@ class LogWriter(_Log):
         """Publish every byte written, at a step's end (the reader may read them from
         now on); the stream's bytes published so far. Once the data area is half full
         and the reader has read everything published before, start again at the front."""
-        log = self.log
-        pos = log.tell()
+        pos = self.log.tell()
         if pos > self.restart_from and self.published != HEADER_BYTES and self.words[TAIL] == self._head:
             self._restart(pos)
-            pos = log.tell()
-        if not ORDERED:
-            fence()  # the bytes are in place before the reader can see them
-        self.words[HEAD] = self._head = self._base + pos - HEADER_BYTES
-        self.published = pos
+        self._publish_part()
         self.steps += 1
         return self._head
 
     def _publish_part(self) -> None:
-        """``publish`` in the middle of a step (``overflow``)."""
+        """Publish every byte written, ``publish`` without its step (also in the middle
+        of a step: ``overflow``)."""
         if not ORDERED:
-            fence()
+            fence()  # the bytes are in place before the reader can see them
         pos = self.log.tell()
         self.words[HEAD] = self._head = self._base + pos - HEADER_BYTES
         self.published = pos
 
     def _restart(self, pos: int) -> None:
         """Go on at the front: the reader has read everything published; the bytes not
-        published yet (from ``_published`` to ``pos``) move there."""
+        published yet (from ``published`` to ``pos``) move there."""
         fence()  # the reader's copies out are done before ours overwrite them
         n = pos - self.published
         if n:
@@ -230,6 +223,11 @@ class LogWriter(_Log):
         """Private: drop every byte published (nobody reads them)."""
         self._kept.clear()
         self.words[TAIL] = self._head
+
+    def close(self) -> None:
+        super().close()
+        if not self.log.closed:  # the writer's own memory, once it gave up
+            self.log.close()
 
 
 class LogReader(_Log):
