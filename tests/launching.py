@@ -4,6 +4,7 @@ kill, interrupt or mis-configure a job."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shlex
@@ -16,8 +17,12 @@ from pathlib import Path
 
 import yaml
 
+from kvdist.launcher.leftovers import mapped_segments
+from kvdist.launcher.rank_watcher import LEFTOVER_PREFIXES
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "kvdist-launch")]
+SHM = Path("/dev/shm")
 
 TINY = {
     "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
@@ -121,12 +126,47 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL the job and every process under it (mpiexec starts each rank in a
-    session of its own, out of reach of a process-group kill)."""
-    for pid in descendants(proc.pid):
+    session of its own, out of reach of a process-group kill), then remove the
+    shared-memory files its processes mapped: MPICH unlinks its segment in an exit
+    handler a killed rank never runs, and the launcher and the ranks' watchers, which
+    clean up after killed ranks, are killed too."""
+    pids = descendants(proc.pid)
+    segments = shm_mapped_by(pids)  # this job's own, whatever else runs on the machine
+    for pid in pids:
         try:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+    if segments:
+        _remove_when_unmapped(segments, pids)
+
+
+def shm_mapped_by(pids: list[int]) -> set[Path]:
+    """The files of /dev/shm named like MPICH's or kvdist's segments that ``pids`` map."""
+    at = f"{SHM}/"
+    found: set[Path] = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8").splitlines()
+        except OSError:  # gone meanwhile
+            continue
+        for ln in lines:
+            if at in ln and not ln.endswith(" (deleted)"):
+                path = Path(ln[ln.index(at):])
+                if path.name.startswith(LEFTOVER_PREFIXES):
+                    found.add(path)
+    return found
+
+
+def _remove_when_unmapped(segments: set[Path], pids: list[int], timeout: float = 10.0) -> None:
+    """Unlink ``segments`` once the killed ``pids`` are gone (a killed process maps its
+    files until it has exited), those that no live process maps still."""
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for path in segments - mapped_segments(SHM, Path("/proc")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _children() -> dict[int, list[int]]:

@@ -18,7 +18,7 @@ import pytest
 from kvdist.launcher import wire
 from kvdist.launcher.server import HELLO_TIMEOUT_S, RankWatch, listen_address
 
-from .launching import ROOT, descendants, kill_job, start, tiny_config, wait_for_line
+from .launching import ROOT, descendants, kill_job, shm_mapped_by, start, tiny_config, wait_for_line
 
 TOKEN = "5f" * 16
 
@@ -60,6 +60,11 @@ def test_the_token_is_on_no_command_line(tmp_path):
         assert len(watchers) == 2
         exposed = [p for p in os.listdir("/proc") if p.isdigit() and token in _cmdline(int(p))]
         assert exposed == [], [_cmdline(int(p)) for p in exposed]
+        # killed with its launcher and watchers, the job cleans up nothing itself: the
+        # helper must remove MPICH's segment (it stayed in /dev/shm, 2 MiB a job)
+        segments = shm_mapped_by(descendants(proc.pid))
+        kill_job(proc)
+        assert sorted(p for p in segments if p.exists()) == []
     finally:
         kill_job(proc)
         proc.communicate()
