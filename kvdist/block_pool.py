@@ -89,6 +89,7 @@ def _registration(n: int) -> struct.Struct:
 
 _REGISTRATIONS = 256
 _REGISTRATION = [_registration(n) for n in range(_REGISTRATIONS)]
+_ONE_REGISTERED = _REGISTRATION[1].pack
 
 
 def _as_list(parts: list) -> list[int]:
@@ -165,13 +166,18 @@ class BlockPool:
         """Blocks ``start .. end-1`` of a sequence (GPU ``slots``) were registered, their
         int32 token ids ``tokens``: their words for the block observer (set), the hash
         of the block before the first read now (its slot may be reused before the
-        observer reads)."""
+        observer reads). One block after others, a decode's, is the common case: it
+        takes a struct of its own, with no slice of ``slots``."""
         n = end - start
-        pack = _REGISTRATION[n].pack if n < _REGISTRATIONS else _registration(n).pack
         if start:
-            p = slots[start - 1]
-            head = pack(LOG_REGISTERED, n, 1, self.meta.hi_mv[p], self.meta.lo_mv[p], *slots[start:end])
+            p, meta = slots[start - 1], self.meta
+            if n == 1:
+                head = _ONE_REGISTERED(LOG_REGISTERED, 1, 1, meta.hi_mv[p], meta.lo_mv[p], slots[start])
+            else:
+                pack = _REGISTRATION[n].pack if n < _REGISTRATIONS else _registration(n).pack
+                head = pack(LOG_REGISTERED, n, 1, meta.hi_mv[p], meta.lo_mv[p], *slots[start:end])
         else:
+            pack = _REGISTRATION[n].pack if n < _REGISTRATIONS else _registration(n).pack
             head = pack(LOG_REGISTERED, n, 0, 0, 0, *slots[:end])
         words = _JOIN((head, tokens) if not len(tokens) & 1 else (head, tokens, _PAD))  # one write: a C call
         try:
