@@ -82,6 +82,7 @@ def test_a_request_goes_to_the_replica_holding_its_longest_prefix(two_replicas):
         assert policy.costs(other) == [(2.0 + chat.blocks_needed(TPB), 2), (1.0, 3)]
         assert policy.choose(other) == 1
         assert policy.active == [chat.blocks_needed(TPB), other.blocks_needed(TPB)]
+        assert policy.stats() == {"overlap_blocks": 4 + 3, "routed_away": 0, "away_blocks": 0}
         policy.finished(0)
         assert policy.active == [0, other.blocks_needed(TPB)]
     finally:
@@ -105,10 +106,12 @@ def test_load_outweighs_a_short_prefix_unless_the_overlap_weighs_more():
     policy.active = [20, 10]
     assert policy.costs(req) == [(27.0, 3), (20.0, 0)]
     assert policy.choose(req) == 1  # 3 cached blocks do not pay for 10 more active ones
+    assert policy.stats() == {"overlap_blocks": 0, "routed_away": 1, "away_blocks": 3}
     heavy = KvAware(2, _Held([3, 0]), hashes, TPB, overlap_weight=4.0)
     heavy.active = [20, 10]
     assert heavy.costs(req) == [(48.0, 3), (50.0, 0)]
     assert heavy.choose(req) == 0
+    assert heavy.stats() == {"overlap_blocks": 3, "routed_away": 0, "away_blocks": 0}
     even = KvAware(2, _Held([0, 0]), hashes, TPB)
     even.active = [5, 5]
     assert even.choose(req) == 0 and even.choose(_req(1, list(range(40)))) == 1  # ties: lower load, index

@@ -167,7 +167,8 @@ def test_a_request_goes_to_the_far_replica_holding_its_prefix(world, hosts):  # 
         if router is not None:
             router.close()
             assert router.routes == [1, 0, 1] and (router.bad_frames, inbox.bad_frames) == (0, 0)
-            assert router.stats() == {"held_turns": 1, "overlap_blocks": 5 + 3 + 5}
+            assert router.stats() == {"held_turns": 1, "overlap_blocks": 5 + 3 + 5, "routed_away": 0,
+                                     "away_blocks": 0}
     finally:
         for end in (router, inbox):
             if end is not None:

@@ -92,6 +92,9 @@ class KvAware:
         self.active = [0] * replicas  # blocks of the requests routed and not finished, per replica
         self._held: dict[int, tuple[int, int]] = {}  # request id -> (replica, blocks)
         self.overlap_blocks = 0  # blocks the chosen replicas held, over every decision
+        # Decisions where load outweighed a longer prefix another replica held: how many,
+        # and the blocks the chosen replicas held fewer than the best one (they compute them).
+        self.routed_away = self.away_blocks = 0
 
     def costs(self, req: Request) -> list[tuple[float, int]]:
         """``(cost, overlap blocks)`` of every replica for ``req``."""
@@ -109,7 +112,11 @@ class KvAware:
         need = req.blocks_needed(self.tpb)
         self.active[best] += need
         self._held[req.rid] = (best, need)
-        self.overlap_blocks += costs[best][1]
+        held, most = costs[best][1], max(c[1] for c in costs)
+        self.overlap_blocks += held
+        if held < most:
+            self.routed_away += 1
+            self.away_blocks += most - held
         return best
 
     def finished(self, rid: int) -> None:
@@ -117,5 +124,9 @@ class KvAware:
         self.active[replica] -= need
 
     def stats(self) -> dict[str, int]:
-        """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed."""
-        return {"overlap_blocks": self.overlap_blocks}
+        """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed;
+        ``routed_away``: requests sent where fewer of their blocks were cached than on
+        another replica (the load term outweighed the difference), ``away_blocks``: those
+        differences, summed."""
+        return {"overlap_blocks": self.overlap_blocks, "routed_away": self.routed_away,
+                "away_blocks": self.away_blocks}

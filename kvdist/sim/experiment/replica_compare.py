@@ -281,6 +281,11 @@ def render(results: dict) -> str:
         lines.append(f"gap isolated -> one cache: {g['tokens']:,} prefill tokens "
                      f"({percent(g['tokens'], prompt)} of the prompt tokens); gap closed: the share of it "
                      "each configuration computes less than isolated")
+    away = [f"{name} {r['router']['routed_away']} ({r['router']['away_blocks']:,} blocks)"
+            for name, r in results["runs"].items() if "routed_away" in (r.get("router") or {})]
+    if away:
+        lines.append("routed away from a longer cached prefix (the load outweighed it; the blocks the "
+                     "chosen replica held fewer): " + ", ".join(away))
     lines.append("held/missed: requests admitted a step or more late for their fetches / blocks looked up "
                  "that were stale or late; one-cache: one replica with R x the capacity and batch serves "
                  "everything (one-cache-same-batch: with a replica's batch limits)")
