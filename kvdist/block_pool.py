@@ -31,25 +31,23 @@ host drops since the last call), and once per block landed in the host tier. Whe
 cached block enters, moves between or leaves the tiers, its words go to the block
 observer's log (the KV cache events, ``kvdist.events``, publish it once a step): the
 pending moves are held in two u64 arrays already (``MoveQueue``), which go to the log
-whole at ``submit_moves``; a drop, a landing and a registration (``log_registered``,
-the manager's) are written as they happen (``BlockObserver`` has the words). With no
+whole at ``submit_moves``; a drop, a landing and a registration (the manager's) are
+written as they happen (``kvdist.block_log``; ``BlockObserver`` has the words). With no
 observer, this costs one test per drop and per ``submit_moves``."""
 
 from __future__ import annotations
 
-import struct
 import time
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
+from .block_log import log_change
 from .block_observers import (
     LOG_DROPPED,
     LOG_LANDED,
     LOG_MOVED,
     LOG_REGISTERED,
-    U64,
     BlockObserver,
     HostObserver,
 )
@@ -76,21 +74,6 @@ from .transfer import PROMOTE, Route, TransferEngine, route
 
 __all__ = ["LOG_DROPPED", "LOG_LANDED", "LOG_MOVED", "LOG_REGISTERED", "BlockObserver", "BlockPool",
            "HostObserver", "PoolSnapshot"]
-
-_PAD = bytes(4)  # a zero token id: an odd count of them fills its last word
-_JOIN = b"".join  # words of several buffers as one: one write into the log (each write parses its arguments)
-_THREE_WORDS = struct.Struct(f"3{U64}")  # a drop's or a landing's words
-
-
-def _registration(n: int) -> struct.Struct:
-    """The words of a registration of ``n`` blocks before their token ids."""
-    return struct.Struct(f"{5 + n}{U64}")
-
-
-_REGISTRATIONS = 256
-_REGISTRATION = [_registration(n) for n in range(_REGISTRATIONS)]
-_ONE_REGISTERED = _REGISTRATION[1].pack
-
 
 def _as_list(parts: list) -> list[int]:
     """The ints of ``parts`` (lists or int arrays), in order, as one list."""
@@ -161,37 +144,6 @@ class BlockPool:
     def block_observer(self, observer: BlockObserver | None) -> None:
         assert not self._queue, "block observer changed while moves are pending"
         self.block_log = observer
-
-    def log_registered(self, slots: list[int], start: int, end: int, tokens: array) -> None:
-        """Blocks ``start .. end-1`` of a sequence (GPU ``slots``) were registered, their
-        int32 token ids ``tokens``: their words for the block observer (set), the hash
-        of the block before the first read now (its slot may be reused before the
-        observer reads). One block after others, a decode's, is the common case: it
-        takes a struct of its own, with no slice of ``slots``."""
-        n = end - start
-        if start:
-            p, meta = slots[start - 1], self.meta
-            if n == 1:
-                head = _ONE_REGISTERED(LOG_REGISTERED, 1, 1, meta.hi_mv[p], meta.lo_mv[p], slots[start])
-            else:
-                pack = _REGISTRATION[n].pack if n < _REGISTRATIONS else _registration(n).pack
-                head = pack(LOG_REGISTERED, n, 1, meta.hi_mv[p], meta.lo_mv[p], *slots[start:end])
-        else:
-            pack = _REGISTRATION[n].pack if n < _REGISTRATIONS else _registration(n).pack
-            head = pack(LOG_REGISTERED, n, 0, 0, 0, *slots[:end])
-        words = _JOIN((head, tokens) if not len(tokens) & 1 else (head, tokens, _PAD))  # one write: a C call
-        try:
-            self.block_log.log.write(words)
-        except ValueError:
-            self.block_log.overflow(words)
-
-    def _log_change(self, op: int, slot: int, word: int) -> None:
-        """A drop's or a landing's words for the block observer (set)."""
-        words = _THREE_WORDS.pack(op, slot, word)
-        try:
-            self.block_log.log.write(words)
-        except ValueError:
-            self.block_log.overflow(words)
 
     # -- counts ----------------------------------------------------------------------------------
     def free_count(self, tier: int) -> int:
@@ -435,7 +387,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self._host_dropped.append(slot)  # told at the next submit_moves
         if self.block_log is not None:
-            self._log_change(LOG_DROPPED, slot, len(self._queue.srcs))
+            log_change(self.block_log, LOG_DROPPED, slot, len(self._queue.srcs))
 
     def _offload_slot(self) -> int:
         """A host slot for an offload (see ``drop_behind_disk``), evicting if needed;
@@ -521,7 +473,7 @@ class BlockPool:
         if self.host_observer is not None and self._gpu_end <= slot < self._host_end:
             self.host_observer.host_changed([], [slot])
         if self.block_log is not None:
-            self._log_change(LOG_LANDED, slot, meta.lo_mv[slot])
+            log_change(self.block_log, LOG_LANDED, slot, meta.lo_mv[slot])
         return True
 
     def release(self, slot: int) -> None:

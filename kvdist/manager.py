@@ -29,6 +29,7 @@ import numpy as np
 
 from . import manager_checks
 from .admission_plan import AdmissionPlan
+from .block_log import log_registered
 from .block_pool import BlockPool, HostObserver
 from .blocks import DISK, GPU, HOST, TIER_NAMES, BlockMeta, SlotSpace
 from .counters import CacheCounters
@@ -364,8 +365,10 @@ class CacheManager:
             seq.parent = digests[-1].tobytes()
         start = seq.num_indexed
         self.pool.register(slots[start:full])
-        if self.pool.block_log is not None:
-            self.pool.log_registered(slots, start, full, seq.tokens[start * self.tpb : full * self.tpb])
+        observer = self.pool.block_log
+        if observer is not None:
+            tpb = self.tpb
+            log_registered(observer, self.meta, slots, start, full, seq.tokens[start * tpb : full * tpb])
         seq.num_indexed = full
 
     def _write_hashes(self, slots, digests: np.ndarray) -> None:
