@@ -25,5 +25,5 @@ for pad in ${@:-0 100 1000}; do
   on=$(awk '/Collected :/ {print $4}' "$tmp/proc-read.log")
   [ -n "$off" ] && [ -n "$on" ] || { echo "pad $pad: a run failed:"; tail -5 "$tmp"/*.log; exit 1; }
   awk -v p="$pad" -v a="$off" -v b="$on" \
-    'BEGIN {printf "pad %5d: events off %d, on %d instructions: %+.2f%%\n", p, a, b, (b - a) / a * 100}'
+    'BEGIN {printf "pad %5d: events off %.0f, on %.0f instructions: %+.2f%%\n", p, a, b, (b - a) / a * 100}'
 done
