@@ -26,7 +26,7 @@ def main() -> None:
     trace = make_trace(1000, block_size=32, seed=0)
     replay = bench.replay
     bench.replay = lambda *args: next(itertools.starmap(replay, [args]))
-    moved, figures = bench.run(trace, (gpu, 2 * gpu, 4 * gpu), 32, mode)[2:]
+    moved = bench.run(trace, (gpu, 2 * gpu, 4 * gpu), 32, mode)[2]
     print(f"{sys.argv[1]}: {moved} blocks moved or dropped")
 
 

@@ -143,19 +143,7 @@ def kill_job(proc: subprocess.Popen) -> None:
 
 def shm_mapped_by(pids: list[int]) -> set[Path]:
     """The files of /dev/shm named like MPICH's or kvdist's segments that ``pids`` map."""
-    at = f"{SHM}/"
-    found: set[Path] = set()
-    for pid in pids:
-        try:
-            lines = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8").splitlines()
-        except OSError:  # gone meanwhile
-            continue
-        for ln in lines:
-            if at in ln and not ln.endswith(" (deleted)"):
-                path = Path(ln[ln.index(at):])
-                if path.name.startswith(LEFTOVER_PREFIXES):
-                    found.add(path)
-    return found
+    return {p for p in mapped_segments(SHM, Path("/proc"), pids) if p.name.startswith(LEFTOVER_PREFIXES)}
 
 
 def _remove_when_unmapped(segments: set[Path], pids: list[int], timeout: float = 10.0) -> None:

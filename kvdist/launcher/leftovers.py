@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from .rank_watcher import LEFTOVER_PREFIXES
@@ -28,10 +29,10 @@ def shm_segments(shm: Path = Path("/dev/shm")) -> set[Path]:
     return out
 
 
-def mapped_segments(shm: Path, proc: Path) -> set[Path]:
-    """The files of ``shm`` that some live process maps."""
+def mapped_segments(shm: Path, proc: Path, pids: Iterable[int] | None = None) -> set[Path]:
+    """The files of ``shm`` that some live process maps (of ``pids`` only, when given)."""
     mapped, at = set(), f"{shm}/"
-    for maps in proc.glob("[0-9]*/maps"):
+    for maps in proc.glob("[0-9]*/maps") if pids is None else (proc / str(pid) / "maps" for pid in pids):
         try:
             lines = maps.read_text(encoding="utf-8").splitlines()
         except OSError:  # gone, or not ours (then neither are its segments)
