@@ -75,16 +75,22 @@ def test_a_request_goes_to_the_replica_holding_its_longest_prefix(two_replicas):
         _wait_for(index, 0, keys, 4)
         _wait_for(index, 1, keys, 2)
         assert [index.longest_prefix(k, keys) for k in (0, 1)] == [4, 2]
-        # 6 prompt blocks: replica 0 computes 2, replica 1 computes 4; nothing is running.
-        assert policy.costs(chat) == [(2.0, 4), (4.0, 2)]
+        # 6 prompt blocks: replica 0 computes 2, replica 1 computes 4; nothing is running,
+        # so either would hold the request's 6 blocks.
+        assert chat.blocks_needed(TPB) == 6
+        assert policy.costs(chat) == [(2.0 + 6, 4), (4.0 + 6, 2)]
         assert policy.choose(chat) == 0
+        policy.check_invariants()
         other = _req(1, shared + [9, 9, 9, 9, 5])  # replica 1's prefix (3 blocks) beats 0's (2)
-        assert policy.costs(other) == [(2.0 + chat.blocks_needed(TPB), 2), (1.0, 3)]
+        # 4 blocks: 3 full prompt blocks, the first 2 of them running on replica 0 already.
+        assert policy.costs(other) == [(2.0 + 6 + 2, 2), (1.0 + 4, 3)]
         assert policy.choose(other) == 1
-        assert policy.active == [chat.blocks_needed(TPB), other.blocks_needed(TPB)]
+        policy.check_invariants()
+        assert policy.active == [6, 4]
         assert policy.stats() == {"overlap_blocks": 4 + 3, "routed_away": 0, "away_blocks": 0}
         policy.finished(0)
-        assert policy.active == [0, other.blocks_needed(TPB)]
+        policy.check_invariants()
+        assert policy.active == [0, 4]
     finally:
         index.close()
 
@@ -99,22 +105,67 @@ class _Held:
         return min(self.held[replica], len(hashes))
 
 
+def _chained(req: Request) -> list[int]:
+    """Block hashes that name a block and every block before it (as prefix hashes do)."""
+    return [hash(tuple(req.prompt[: (i + 1) * TPB].tolist())) for i in range(len(req.prompt) // TPB)]
+
+
+def _loaded(weight: float, loads: list[int]) -> tuple[KvAware, _Held]:
+    """A policy over two replicas where replica k runs one request of ``loads[k]``
+    blocks (routed there because only that replica held its prefix)."""
+    index = _Held([0, 0])
+    policy = KvAware(2, index, _chained, TPB, overlap_weight=weight)
+    for k, n in enumerate(loads):
+        index.held = [n if j == k else 0 for j in range(2)]
+        assert policy.choose(_req(100 + k, [1000 + k] * ((n - 1) * TPB))) == k
+    assert policy.active == loads
+    return policy, index
+
+
 def test_load_outweighs_a_short_prefix_unless_the_overlap_weighs_more():
     req = _req(0, list(range(40)))  # 10 blocks
-    hashes = lambda r: list(range(len(r.prompt) // TPB))  # noqa: E731
-    policy = KvAware(2, _Held([3, 0]), hashes, TPB, overlap_weight=1.0)
-    policy.active = [20, 10]
-    assert policy.costs(req) == [(27.0, 3), (20.0, 0)]
+    assert req.blocks_needed(TPB) == 11  # added to either replica's active blocks
+    policy, index = _loaded(1.0, [20, 10])
+    index.held = [3, 0]
+    assert policy.costs(req) == [(7.0 + 20 + 11, 3), (10.0 + 10 + 11, 0)]
     assert policy.choose(req) == 1  # 3 cached blocks do not pay for 10 more active ones
-    assert policy.stats() == {"overlap_blocks": 0, "routed_away": 1, "away_blocks": 3}
-    heavy = KvAware(2, _Held([3, 0]), hashes, TPB, overlap_weight=4.0)
-    heavy.active = [20, 10]
-    assert heavy.costs(req) == [(48.0, 3), (50.0, 0)]
+    policy.check_invariants()
+    assert policy.stats() == {"overlap_blocks": 19 + 9, "routed_away": 1, "away_blocks": 3}
+    heavy, index = _loaded(4.0, [20, 10])
+    index.held = [3, 0]
+    assert heavy.costs(req) == [(28.0 + 20 + 11, 3), (40.0 + 10 + 11, 0)]
     assert heavy.choose(req) == 0
-    assert heavy.stats() == {"overlap_blocks": 3, "routed_away": 0, "away_blocks": 0}
-    even = KvAware(2, _Held([0, 0]), hashes, TPB)
-    even.active = [5, 5]
-    assert even.choose(req) == 0 and even.choose(_req(1, list(range(40)))) == 1  # ties: lower load, index
+    assert heavy.stats() == {"overlap_blocks": 19 + 9 + 3, "routed_away": 0, "away_blocks": 0}
+    even, index = _loaded(1.0, [5, 5])
+    index.held = [0, 0]
+    assert even.choose(req) == 0  # ties: the lower load, then the lower index
+    assert even.choose(_req(1, list(range(100, 140)))) == 1
+
+
+def test_prompt_blocks_that_running_requests_share_count_once_in_the_load():
+    system = [7] * 32  # 8 blocks every request below but one starts with
+    policy = KvAware(2, _Held([0, 0]), _chained, TPB, overlap_weight=1.0)
+    a = _req(0, system + [1] * 4)  # 9 full blocks, 10 held (the reply's last block)
+    assert policy.choose(a) == 0
+    policy.check_invariants()
+    b = _req(1, [2] * 20)  # 5 full blocks, 6 held
+    assert policy.choose(b) == 1
+    policy.check_invariants()
+    assert policy.active == [10, 6]
+    # c shares a's 8 system blocks: on replica 0 it adds its 9th block and its own 1,
+    # on replica 1 all 10. Counting a's blocks again would make replica 0 the busier.
+    c = _req(2, system + [3] * 4)
+    assert policy.costs(c) == [(9.0 + 10 + 2, 0), (9.0 + 6 + 10, 0)]
+    assert policy.choose(c) == 0
+    policy.check_invariants()
+    assert policy.active == [8 + 1 + 1 + 1 + 1, 6]  # 8 shared, a's and c's 9th, a's and c's own
+    policy.finished(0)
+    policy.check_invariants()
+    assert policy.active == [10, 6]  # c's alone
+    policy.finished(2)
+    policy.finished(1)
+    policy.check_invariants()
+    assert policy.active == [0, 0]
 
 
 def test_the_router_holds_a_turn_for_its_previous_one_and_closes_every_inbox():

@@ -7,14 +7,18 @@ arrives from what the router knows then (the replicas job in time, ``route_feed`
   ``cost = overlap_score_weight * prefill_blocks + active_blocks`` where
   ``prefill_blocks`` are the prompt's blocks the replica would compute (its blocks
   less the longest prefix the replica holds in any local tier — GPU, host, disk; the
-  remote tier is excluded) and ``active_blocks`` the blocks of the requests routed
-  there and not finished yet (the router's own count: incremented when it routes a
-  request, decremented when the replica reports it finished). The cheapest replica
-  wins; ties go to the lower load, then the lower index (Dynamo's temperature 0:
-  deterministic). Dynamo documents the cost in its router design
-  (https://docs.nvidia.com/dynamo/design-docs/router-design: "potential prefill
-  blocks" and "potential active blocks", weighted by ``--kv-overlap-score-weight``,
-  default 1.0).
+  remote tier is excluded) and ``active_blocks`` the blocks the replica's requests
+  would hold with this one routed there: the router's own count over the requests
+  routed there and not finished yet (added when it routes a request, taken off when
+  the replica reports it finished), a prompt block that several of them share counted
+  once, as Dynamo's ``ActiveSequences`` counts unique block hashes (the replica's
+  prefix cache holds it once). The cheapest replica wins; ties go to the lower load,
+  then the lower index (Dynamo's temperature 0: deterministic). Dynamo documents the
+  cost in its router design (https://docs.nvidia.com/dynamo/design-docs/router-design:
+  "potential prefill blocks" and "potential active blocks", weighted by
+  ``--kv-overlap-score-weight``, default 1.0). Dynamo's prefill blocks also count the
+  prompts routed to the replica and not prefilled yet; the replicas here report only
+  finishes, so that term is left out.
 - :class:`OneReplica`: everything to replica 0 (the one-cache ceiling in time).
 
 A policy is called from one thread (the router's); it keeps no clock of its own."""
@@ -82,36 +86,58 @@ class OneReplica:
 
 class KvAware:
     """Dynamo's KV-router cost (module docstring). ``hashes(prompt)``: the prompt's
-    block hashes as the replicas' events name them."""
+    full blocks' hashes as the replicas' events name them.
+
+    Per replica the router keeps ``_refs``: for each prompt block of the requests
+    routed there and not finished, how many of them hold it; and ``active``: the blocks
+    those requests hold, each prompt block once (``len(_refs[k])``) plus every
+    request's own blocks (``_own``), summed in ``_own_blocks``."""
 
     def __init__(self, replicas: int, index: CachedPrefixes, hashes: Callable[[Request], Sequence],
                  tokens_per_block: int, overlap_weight: float = 1.0):
         assert replicas > 0 and overlap_weight >= 0, (replicas, overlap_weight)
         self.replicas, self.index, self.hashes = replicas, index, hashes
         self.tpb, self.weight = tokens_per_block, overlap_weight
-        self.active = [0] * replicas  # blocks of the requests routed and not finished, per replica
-        self._held: dict[int, tuple[int, int]] = {}  # request id -> (replica, blocks)
+        self.active = [0] * replicas  # blocks the requests routed and not finished hold, per replica
+        self._refs: list[dict[int, int]] = [{} for _ in range(replicas)]  # prompt block hash -> requests
+        self._own_blocks = [0] * replicas
+        self._held: dict[int, tuple[int, Sequence, int]] = {}  # request id -> (replica, hashes, own blocks)
         self.overlap_blocks = 0  # blocks the chosen replicas held, over every decision
         # Decisions where load outweighed a longer prefix another replica held: how many,
         # and the blocks the chosen replicas held fewer than the best one (they compute them).
         self.routed_away = self.away_blocks = 0
 
+    def _own(self, req: Request, keys: Sequence) -> int:
+        """The blocks ``req`` holds that no other request shares: all but its full
+        prompt blocks (the partial one and the reply's)."""
+        return req.blocks_needed(self.tpb) - len(keys)
+
     def costs(self, req: Request) -> list[tuple[float, int]]:
         """``(cost, overlap blocks)`` of every replica for ``req``."""
         keys = self.hashes(req)
+        return self._costs(req, keys, self._own(req, keys))
+
+    def _costs(self, req: Request, keys: Sequence, own: int) -> list[tuple[float, int]]:
         blocks = -(-len(req.prompt) // self.tpb)
         out = []
         for k in range(self.replicas):
             overlap = self.index.longest_prefix(k, keys)
-            out.append((self.weight * (blocks - overlap) + self.active[k], overlap))
+            refs = self._refs[k]
+            added = own + sum(1 for h in keys if h not in refs)  # the blocks routing it here adds
+            out.append((self.weight * (blocks - overlap) + self.active[k] + added, overlap))
         return out
 
     def choose(self, req: Request) -> int:
-        costs = self.costs(req)
+        keys = self.hashes(req)
+        own = self._own(req, keys)
+        costs = self._costs(req, keys, own)
         best = min(range(self.replicas), key=lambda k: (costs[k][0], self.active[k], k))
-        need = req.blocks_needed(self.tpb)
-        self.active[best] += need
-        self._held[req.rid] = (best, need)
+        refs = self._refs[best]
+        for h in keys:
+            refs[h] = refs.get(h, 0) + 1
+        self._own_blocks[best] += own
+        self.active[best] = len(refs) + self._own_blocks[best]
+        self._held[req.rid] = (best, keys, own)
         held, most = costs[best][1], max(c[1] for c in costs)
         self.overlap_blocks += held
         if held < most:
@@ -120,8 +146,27 @@ class KvAware:
         return best
 
     def finished(self, rid: int) -> None:
-        replica, need = self._held.pop(rid)
-        self.active[replica] -= need
+        replica, keys, own = self._held.pop(rid)
+        refs = self._refs[replica]
+        for h in keys:
+            if refs[h] == 1:
+                del refs[h]
+            else:
+                refs[h] -= 1
+        self._own_blocks[replica] -= own
+        self.active[replica] = len(refs) + self._own_blocks[replica]
+
+    def check_invariants(self) -> None:
+        for k in range(self.replicas):
+            mine = [(keys, own) for r, keys, own in self._held.values() if r == k]
+            counts: dict[int, int] = {}
+            for keys, _ in mine:
+                for h in keys:
+                    counts[h] = counts.get(h, 0) + 1
+            assert self._refs[k] == counts, f"replica {k}: block counts {self._refs[k]} != {counts}"
+            own = sum(o for _, o in mine)
+            assert self._own_blocks[k] == own, f"replica {k}: {self._own_blocks[k]} own blocks for {own}"
+            assert self.active[k] == len(counts) + own, f"replica {k}: {self.active[k]} active blocks"
 
     def stats(self) -> dict[str, int]:
         """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed;
