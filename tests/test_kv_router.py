@@ -75,27 +75,22 @@ def test_a_request_goes_to_the_replica_holding_its_longest_prefix(two_replicas):
         _wait_for(index, 0, keys, 4)
         _wait_for(index, 1, keys, 2)
         assert [index.longest_prefix(k, keys) for k in (0, 1)] == [4, 2]
-        # 21 prompt tokens: replica 0 computes 5 (1.25 blocks), replica 1 13 (3.25);
-        # nothing is running, so either would hold the request's 6 blocks.
+        # 6 prompt blocks: replica 0 computes 2, replica 1 computes 4; nothing is running,
+        # so either would hold the request's 6 blocks.
         assert chat.blocks_needed(TPB) == 6
-        assert policy.costs(chat) == [(1.25 + 6, 4), (3.25 + 6, 2)]
+        assert policy.costs(chat) == [(2.0 + 6, 4), (4.0 + 6, 2)]
         assert policy.choose(chat) == 0
         policy.check_invariants()
-        assert policy.queued == [5, 0]
         other = _req(1, shared + [9, 9, 9, 9, 5])  # replica 1's prefix (3 blocks) beats 0's (2)
-        # 13 tokens, 4 blocks: 3 full prompt blocks, the first 2 running on replica 0
-        # already, whose queue holds chat's 5 tokens.
-        assert policy.costs(other) == [((5 + 5) / 4 + 6 + 2, 2), (1 / 4 + 4, 3)]
+        # 4 blocks: 3 full prompt blocks, the first 2 of them running on replica 0 already.
+        assert policy.costs(other) == [(2.0 + 6 + 2, 2), (1.0 + 4, 3)]
         assert policy.choose(other) == 1
         policy.check_invariants()
-        assert policy.active == [6, 4] and policy.queued == [5, 1]
+        assert policy.active == [6, 4]
         assert policy.stats() == {"overlap_blocks": 4 + 3, "routed_away": 0, "away_blocks": 0}
-        policy.prefilled(0)
-        policy.check_invariants()
-        assert policy.active == [6, 4] and policy.queued == [0, 1]
         policy.finished(0)
         policy.check_invariants()
-        assert policy.active == [0, 4] and policy.queued == [0, 1]
+        assert policy.active == [0, 4]
     finally:
         index.close()
 
@@ -132,13 +127,13 @@ def test_load_outweighs_a_short_prefix_unless_the_overlap_weighs_more():
     assert req.blocks_needed(TPB) == 11  # added to either replica's active blocks
     policy, index = _loaded(1.0, [20, 10])
     index.held = [3, 0]
-    assert policy.costs(req) == [(28 / 4 + 20 + 11, 3), (40 / 4 + 10 + 11, 0)]  # tokens to compute: 28, 40
+    assert policy.costs(req) == [(7.0 + 20 + 11, 3), (10.0 + 10 + 11, 0)]
     assert policy.choose(req) == 1  # 3 cached blocks do not pay for 10 more active ones
     policy.check_invariants()
     assert policy.stats() == {"overlap_blocks": 19 + 9, "routed_away": 1, "away_blocks": 3}
     heavy, index = _loaded(4.0, [20, 10])
     index.held = [3, 0]
-    assert heavy.costs(req) == [(4 * 28 / 4 + 20 + 11, 3), (4 * 40 / 4 + 10 + 11, 0)]
+    assert heavy.costs(req) == [(28.0 + 20 + 11, 3), (40.0 + 10 + 11, 0)]
     assert heavy.choose(req) == 0
     assert heavy.stats() == {"overlap_blocks": 19 + 9 + 3, "routed_away": 0, "away_blocks": 0}
     even, index = _loaded(1.0, [5, 5])
@@ -156,9 +151,7 @@ def test_prompt_blocks_that_running_requests_share_count_once_in_the_load():
     b = _req(1, [2] * 20)  # 5 full blocks, 6 held
     assert policy.choose(b) == 1
     policy.check_invariants()
-    assert policy.active == [10, 6] and policy.queued == [36, 20]
-    policy.prefilled(0)
-    policy.prefilled(1)
+    assert policy.active == [10, 6]
     # c shares a's 8 system blocks: on replica 0 it adds its 9th block and its own 1,
     # on replica 1 all 10. Counting a's blocks again would make replica 0 the busier.
     c = _req(2, system + [3] * 4)
@@ -175,50 +168,10 @@ def test_prompt_blocks_that_running_requests_share_count_once_in_the_load():
     assert policy.active == [0, 0]
 
 
-def test_prompts_queued_for_prefill_weigh_against_the_replica_until_prefilled():
-    policy = KvAware(2, _Held([0, 0]), _chained, TPB, overlap_weight=1.0)
-    assert policy.choose(_req(0, [5] * 80)) == 0  # 20 blocks, 21 held
-    assert policy.choose(_req(1, [7] * 80)) == 1  # replica 0 has 80 tokens queued
-    assert policy.active == [21, 21] and policy.queued == [80, 80]
-    policy.prefilled(1)
-    policy.check_invariants()
-    assert policy.queued == [80, 0]
-    policy.index = _Held([8, 0])  # replica 0 holds 8 of the next prompt's 10 blocks
-    req = _req(2, [6] * 40)
-    # Replica 0 would compute 8 tokens behind 80 queued, replica 1 all 40 behind none.
-    assert policy.costs(req) == [((80 + 8) / 4 + 21 + 11, 8), (40 / 4 + 21 + 11, 0)]
-    policy.prefilled(0)
-    policy.check_invariants()
-    assert policy.costs(req) == [(8 / 4 + 21 + 11, 8), (40 / 4 + 21 + 11, 0)]
-    assert policy.choose(req) == 0
-    policy.check_invariants()
-    assert policy.queued == [8, 0]
-    policy.finished(2)  # finished without a prefill report: its tokens leave the queue too
-    policy.finished(0)
-    policy.finished(1)
-    policy.check_invariants()
-    assert policy.active == [0, 0] and policy.queued == [0, 0]
-
-
-class _Told(RoundRobin):
-    """Round-robin that notes what the router tells it."""
-
-    def __init__(self, replicas: int):
-        super().__init__(replicas)
-        self.told: list[tuple[str, int]] = []
-
-    def prefilled(self, rid: int) -> None:
-        self.told.append(("prefilled", rid))
-
-    def finished(self, rid: int) -> None:
-        self.told.append(("finished", rid))
-
-
 def test_the_router_holds_a_turn_for_its_previous_one_and_closes_every_inbox():
     reqs = [_req(0, [1] * 8), _req(1, [2] * 8), _req(2, [1] * 12, after=0, at=0.0)]
     inboxes = [Inbox(len(reqs)), Inbox(len(reqs))]
-    policy = _Told(2)
-    router = Router(reqs, policy, [i.endpoint for i in inboxes], think_s=0.05)
+    router = Router(reqs, RoundRobin(2), [i.endpoint for i in inboxes], think_s=0.05)
     try:
         for i in inboxes:
             i.connect(router.endpoint)
@@ -234,8 +187,7 @@ def test_the_router_holds_a_turn_for_its_previous_one_and_closes_every_inbox():
         assert [rid for rid, _ in got[1] + inboxes[1].take()] == [1]
         assert not any(i.closed for i in inboxes)
         finished_at = time.perf_counter() - router.origin
-        inboxes[1].report([1], [])
-        inboxes[0].report([0], [0])  # prefilled and finished in one step
+        inboxes[0].finished([0])
         third: list = []
         while not third:
             assert time.monotonic() < deadline
@@ -248,8 +200,6 @@ def test_the_router_holds_a_turn_for_its_previous_one_and_closes_every_inbox():
             for i in inboxes:
                 assert i.take() == []
         assert router.routes == [0, 1, 0] and router.held_turns == 1
-        assert sorted(policy.told[:3]) == [("finished", 0), ("prefilled", 0), ("prefilled", 1)]
-        assert policy.told.index(("prefilled", 0)) < policy.told.index(("finished", 0))
     finally:
         router.close()
         for i in inboxes:

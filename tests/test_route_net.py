@@ -13,14 +13,7 @@ import pytest
 import kvdist
 from kvdist.sim.engine.parallel import TensorParallel
 from kvdist.sim.experiment.kv_router import RoundRobin
-from kvdist.sim.experiment.route_feed import (
-    Inbox,
-    Router,
-    decode_report,
-    decode_routed,
-    encode_report,
-    encode_routed,
-)
+from kvdist.sim.experiment.route_feed import Inbox, Router, decode_ids, decode_routed, encode_routed
 from kvdist.sim.experiment.route_net import bind_host, connectable, exchange, is_loopback
 from tests.conftest import make_cfg
 from tests.test_kv_router import _req
@@ -106,11 +99,9 @@ def test_frames_round_trip_and_anything_else_is_not_a_frame():
     items = [(0, 0.0), (7, 1.25), (-1, 0.0)]
     assert decode_routed(encode_routed(items)) == items
     assert decode_routed(encode_routed([])) == []
-    assert decode_report(encode_report([3], [3, 5])) == ([3], [3, 5])
-    assert decode_report(encode_report([], [])) == ([], [])
-    assert decode_routed(b"x" * 17) is None and decode_report(b"abc") is None and decode_report(b"") is None
-    assert decode_report((2).to_bytes(8, "little") * 2) is None  # 2 prefilled ids, 1 id in the frame
-    assert decode_report((-1).to_bytes(8, "little", signed=True)) is None
+    assert decode_ids(bytes(range(16))) == [int.from_bytes(bytes(range(8)), "little"),
+                                            int.from_bytes(bytes(range(8, 16)), "little")]
+    assert decode_routed(b"x" * 17) is None and decode_ids(b"abc") is None
 
 
 def _drain(inbox: Inbox, until) -> list:
@@ -142,8 +133,9 @@ def test_garbage_on_the_routing_sockets_is_dropped_counted_and_breaks_nothing():
         _drain(inbox, lambda got: inbox.bad_frames == 4)
         router.start(time.perf_counter())
         assert _drain(inbox, lambda got: got) == [(0, 0.0)]
-        for frame in (pickle.dumps([0]), b"abcde", encode_report([], [1]), encode_report([0], [0, 0])):
-            stranger[1].send(frame)  # the third: request 1, held, not routed; the fourth: 0 finished twice
+        for frame in (pickle.dumps([0]), b"abcde", encode_routed([]) + b"\0" * 8 + (1).to_bytes(8, "little"),
+                      (0).to_bytes(8, "little") * 2):
+            stranger[1].send(frame)  # the third: request 1, held, not routed yet; the fourth: 0 twice
         deadline = time.monotonic() + 5
         while router.bad_frames < 4:
             assert time.monotonic() < deadline, router.bad_frames
@@ -152,7 +144,7 @@ def test_garbage_on_the_routing_sockets_is_dropped_counted_and_breaks_nothing():
         inbox.finished([0])
         got = _drain(inbox, lambda got: inbox.closed)
         assert [rid for rid, _ in got] == [1] and router.routes == [0, 0]
-        stranger[1].send(encode_report([], [0]))  # finished already: the router's loop has ended
+        stranger[1].send((0).to_bytes(8, "little"))  # finished already: the router's loop has ended
         router.close()
         assert (inbox.bad_frames, router.bad_frames) == (4, 4)
     finally:

@@ -4,21 +4,21 @@ arrives from what the router knows then (the replicas job in time, ``route_feed`
 - :class:`RoundRobin`: the k-th request routed goes to replica ``k mod R``.
 - :class:`KvAware`: NVIDIA Dynamo's KV router cost over a prefix index fed by the
   replicas' KV events (:class:`CachedPrefixes`): for every replica,
-  ``cost = overlap_score_weight * prefill_blocks + active_blocks``, both what the
-  replica would have with this request routed there. ``prefill_blocks``: the prompt
-  tokens it would compute, over the tokens of a block — this prompt's, less the
-  longest prefix the replica holds in any local tier (GPU, host, disk; the remote
-  tier is excluded), and those of the prompts routed there and not prefilled yet.
-  ``active_blocks``: the blocks of the requests routed there and not finished, a
-  prompt block that several of them share counted once, as Dynamo's
-  ``ActiveSequences`` counts unique block hashes (the replica's prefix cache holds it
-  once). Both are the router's own counts: added to when it routes a request, taken
-  from when the replica reports the request prefilled or finished. The cheapest
-  replica wins; ties go to the lower load, then the lower index (Dynamo's
-  temperature 0: deterministic). Dynamo documents the cost in its router design
-  (https://docs.nvidia.com/dynamo/design-docs/router-design: "potential prefill
-  blocks" and "potential active blocks", weighted by ``--kv-overlap-score-weight``,
-  default 1.0) and computes it in ``ActiveSequences.potential_blocks_and_tokens``.
+  ``cost = overlap_score_weight * prefill_blocks + active_blocks`` where
+  ``prefill_blocks`` are the prompt's blocks the replica would compute (its blocks
+  less the longest prefix the replica holds in any local tier — GPU, host, disk; the
+  remote tier is excluded) and ``active_blocks`` the blocks the replica's requests
+  would hold with this one routed there: the router's own count over the requests
+  routed there and not finished yet (added when it routes a request, taken off when
+  the replica reports it finished), a prompt block that several of them share counted
+  once, as Dynamo's ``ActiveSequences`` counts unique block hashes (the replica's
+  prefix cache holds it once). The cheapest replica wins; ties go to the lower load,
+  then the lower index (Dynamo's temperature 0: deterministic). Dynamo documents the
+  cost in its router design (https://docs.nvidia.com/dynamo/design-docs/router-design:
+  "potential prefill blocks" and "potential active blocks", weighted by
+  ``--kv-overlap-score-weight``, default 1.0). Dynamo's prefill blocks also count the
+  prompts routed to the replica and not prefilled yet; the replicas here report only
+  finishes, so that term is left out.
 - :class:`OneReplica`: everything to replica 0 (the one-cache ceiling in time).
 
 A policy is called from one thread (the router's); it keeps no clock of its own."""
@@ -46,10 +46,6 @@ class Policy(Protocol):
         """The replica that serves ``req`` (called once per request, in routing order)."""
         ...
 
-    def prefilled(self, rid: int) -> None:
-        """The replica that serves ``rid`` reported its prompt computed."""
-        ...
-
     def finished(self, rid: int) -> None:
         """The replica that served ``rid`` reported it finished."""
         ...
@@ -68,9 +64,6 @@ class RoundRobin:
         k, self._k = self._k % self.replicas, self._k + 1
         return k
 
-    def prefilled(self, rid: int) -> None:
-        pass
-
     def finished(self, rid: int) -> None:
         pass
 
@@ -84,9 +77,6 @@ class OneReplica:
     def choose(self, req: Request) -> int:
         return 0
 
-    def prefilled(self, rid: int) -> None:
-        pass
-
     def finished(self, rid: int) -> None:
         pass
 
@@ -98,24 +88,20 @@ class KvAware:
     """Dynamo's KV-router cost (module docstring). ``hashes(prompt)``: the prompt's
     full blocks' hashes as the replicas' events name them.
 
-    Per replica the router keeps ``queued``: the prompt tokens still to compute of
-    the requests routed there and not prefilled; ``_refs``: for each prompt block of
-    the requests routed there and not finished, how many of them hold it; and
-    ``active``: the blocks those requests hold, each prompt block once
-    (``len(_refs[k])``) plus every request's own blocks (``_own``), summed in
-    ``_own_blocks``."""
+    Per replica the router keeps ``_refs``: for each prompt block of the requests
+    routed there and not finished, how many of them hold it; and ``active``: the blocks
+    those requests hold, each prompt block once (``len(_refs[k])``) plus every
+    request's own blocks (``_own``), summed in ``_own_blocks``."""
 
     def __init__(self, replicas: int, index: CachedPrefixes, hashes: Callable[[Request], Sequence],
                  tokens_per_block: int, overlap_weight: float = 1.0):
         assert replicas > 0 and overlap_weight >= 0, (replicas, overlap_weight)
         self.replicas, self.index, self.hashes = replicas, index, hashes
         self.tpb, self.weight = tokens_per_block, overlap_weight
-        self.queued = [0] * replicas  # prompt tokens routed there and not computed yet, per replica
         self.active = [0] * replicas  # blocks the requests routed and not finished hold, per replica
         self._refs: list[dict[int, int]] = [{} for _ in range(replicas)]  # prompt block hash -> requests
         self._own_blocks = [0] * replicas
-        # request id -> (replica, prompt hashes, own blocks, tokens to prefill: 0 once prefilled)
-        self._held: dict[int, tuple[int, Sequence, int, int]] = {}
+        self._held: dict[int, tuple[int, Sequence, int]] = {}  # request id -> (replica, hashes, own blocks)
         self.overlap_blocks = 0  # blocks the chosen replicas held, over every decision
         # Decisions where load outweighed a longer prefix another replica held: how many,
         # and the blocks the chosen replicas held fewer than the best one (they compute them).
@@ -129,18 +115,16 @@ class KvAware:
     def costs(self, req: Request) -> list[tuple[float, int]]:
         """``(cost, overlap blocks)`` of every replica for ``req``."""
         keys = self.hashes(req)
-        return [(cost, overlap) for cost, overlap, _ in self._costs(req, keys, self._own(req, keys))]
+        return self._costs(req, keys, self._own(req, keys))
 
-    def _costs(self, req: Request, keys: Sequence, own: int) -> list[tuple[float, int, int]]:
-        """``(cost, overlap blocks, prompt tokens to compute)`` of every replica."""
+    def _costs(self, req: Request, keys: Sequence, own: int) -> list[tuple[float, int]]:
+        blocks = -(-len(req.prompt) // self.tpb)
         out = []
         for k in range(self.replicas):
             overlap = self.index.longest_prefix(k, keys)
-            compute = max(0, len(req.prompt) - overlap * self.tpb)
             refs = self._refs[k]
             added = own + sum(1 for h in keys if h not in refs)  # the blocks routing it here adds
-            cost = self.weight * (self.queued[k] + compute) / self.tpb + self.active[k] + added
-            out.append((cost, overlap, compute))
+            out.append((self.weight * (blocks - overlap) + self.active[k] + added, overlap))
         return out
 
     def choose(self, req: Request) -> int:
@@ -153,9 +137,7 @@ class KvAware:
             refs[h] = refs.get(h, 0) + 1
         self._own_blocks[best] += own
         self.active[best] = len(refs) + self._own_blocks[best]
-        compute = costs[best][2]
-        self.queued[best] += compute
-        self._held[req.rid] = (best, keys, own, compute)
+        self._held[req.rid] = (best, keys, own)
         held, most = costs[best][1], max(c[1] for c in costs)
         self.overlap_blocks += held
         if held < most:
@@ -163,14 +145,8 @@ class KvAware:
             self.away_blocks += most - held
         return best
 
-    def prefilled(self, rid: int) -> None:
-        replica, keys, own, compute = self._held[rid]
-        self.queued[replica] -= compute
-        self._held[rid] = (replica, keys, own, 0)
-
     def finished(self, rid: int) -> None:
-        replica, keys, own, compute = self._held.pop(rid)
-        self.queued[replica] -= compute  # 0 once prefilled
+        replica, keys, own = self._held.pop(rid)
         refs = self._refs[replica]
         for h in keys:
             if refs[h] == 1:
@@ -182,17 +158,15 @@ class KvAware:
 
     def check_invariants(self) -> None:
         for k in range(self.replicas):
-            mine = [held[1:] for held in self._held.values() if held[0] == k]
+            mine = [(keys, own) for r, keys, own in self._held.values() if r == k]
             counts: dict[int, int] = {}
-            for keys, _, _ in mine:
+            for keys, _ in mine:
                 for h in keys:
                     counts[h] = counts.get(h, 0) + 1
             assert self._refs[k] == counts, f"replica {k}: block counts {self._refs[k]} != {counts}"
-            own = sum(o for _, o, _ in mine)
+            own = sum(o for _, o in mine)
             assert self._own_blocks[k] == own, f"replica {k}: {self._own_blocks[k]} own blocks for {own}"
             assert self.active[k] == len(counts) + own, f"replica {k}: {self.active[k]} active blocks"
-            queued = sum(c for _, _, c in mine)
-            assert self.queued[k] == queued, f"replica {k}: {self.queued[k]} tokens queued for {queued}"
 
     def stats(self) -> dict[str, int]:
         """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed;

@@ -57,7 +57,7 @@ class TimedReporter(ReplicaReporter):
     def step(self, plan: StepPlan, appends: list[tuple[int, int]], done: list[Running]) -> None:
         super().step(plan, appends, done)
         if self.inbox is not None:
-            self.inbox.report([r.req.rid for r in plan.prefills], [r.req.rid for r in done])
+            self.inbox.finished([r.req.rid for r in done])
 
     def results(self, sim: Simulation) -> ReplicaFigures:
         if self.router is not None:

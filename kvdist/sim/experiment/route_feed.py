@@ -13,9 +13,7 @@ their clock (:class:`RoutedTime`).
   request was routed (or the router failed: rank 0 then raises its error at the
   run's end), every inbox gets ``closed``.
 - :class:`Inbox` (each replica's TP rank 0): takes what was routed there, reports
-  back to the router after each step the requests it prefilled (their prompts leave
-  the router's count of prefill queued there) and those that finished (their blocks
-  leave its count of the replica's load).
+  finished requests back to the router (their load leaves the router's count).
 - :class:`RoutedTime`: the replica's real-time clock (:class:`~kvdist.sim.experiment.
   clock.RealTime`, started at a barrier of the whole job). Before every step TP rank 0
   takes its inbox, and one broadcast in the TP group — the one that agrees the
@@ -29,10 +27,8 @@ their endpoints are exchanged over the job's communicator
 (:func:`~kvdist.sim.experiment.route_net.exchange`). The messages are fixed binary
 frames, never pickles (a socket bound for the network takes them from whoever
 connects): routed requests are ``n`` little-endian int64 request ids then their ``n``
-float64 arrivals; a step's report is little-endian int64s, ``p``, then ``p`` ids
-prefilled, then the ids finished. A frame of another size, or an id that names no
-request routed (prefilled: one not prefilled or finished yet; finished: one not
-finished yet), is dropped and counted (``bad_frames``)."""
+float64 arrivals, finished ones ``n`` int64 ids; a frame of another size, or an id
+that names no request routed, is dropped and counted (``bad_frames``)."""
 
 from __future__ import annotations
 
@@ -53,8 +49,7 @@ from .clock import RealTime
 from .kv_router import Policy
 from .route_net import LOOPBACK, connectable
 
-__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "decode_report", "decode_routed", "encode_report",
-           "encode_routed",
+__all__ = ["EventFeed", "Inbox", "RoutedTime", "Router", "decode_ids", "decode_routed", "encode_routed",
            "router_endpoint"]
 
 _CLOSED = -1  # a routed "request id" that says every request was routed
@@ -94,20 +89,9 @@ def decode_routed(frame: bytes) -> list[tuple[int, float]] | None:
     return list(zip(rids.tolist(), arrivals.tolist()))
 
 
-def encode_report(prefilled: list[int], finished: list[int]) -> bytes:
-    """A step's report as a frame: ``len(prefilled)``, those ids, then ``finished`` (int64 each)."""
-    return np.asarray([len(prefilled), *prefilled, *finished], dtype="<i8").tobytes()
-
-
-def decode_report(frame: bytes) -> tuple[list[int], list[int]] | None:
-    """:func:`encode_report`'s ``(prefilled, finished)``, or None for a frame that is not one."""
-    if len(frame) % 8 or not frame:
-        return None
-    words = np.frombuffer(frame, dtype="<i8").tolist()
-    p = words[0]
-    if not 0 <= p < len(words):
-        return None
-    return words[1 : 1 + p], words[1 + p :]
+def decode_ids(frame: bytes) -> list[int] | None:
+    """Finished request ids (int64 each), or None for a frame that is not a whole number of them."""
+    return None if len(frame) % 8 else np.frombuffer(frame, dtype="<i8").tolist()
 
 
 class EventFeed(Protocol):
@@ -173,13 +157,9 @@ class Inbox:
         """Return when something was routed here, or after ``seconds``."""
         self._pull.poll(max(1, int(seconds * 1e3)))
 
-    def report(self, prefilled: list[int], finished: list[int]) -> None:
-        """A step's requests prefilled (their first token decoded) and finished."""
-        if prefilled or finished:
-            self._push.send(encode_report(prefilled, finished))
-
     def finished(self, rids: list[int]) -> None:
-        self.report([], rids)
+        if rids:
+            self._push.send(np.asarray(rids, dtype="<i8").tobytes())
 
     def close(self) -> None:
         if self._ctx.closed:
@@ -215,7 +195,7 @@ class Router:
             self._out.append(s)
         self.routes = [-1] * len(requests)  # replica of every request id (ids are 0..n-1)
         self.held_turns = 0  # follow-ups held until their previous turn finished
-        self.bad_frames = 0  # report frames dropped: not a report, or ids it cannot name (module docstring)
+        self.bad_frames = 0  # finish frames dropped: not ids, or ids not routed and unfinished
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -250,7 +230,6 @@ class Router:
             poller.register(s, zmq.POLLIN)
         pending = deque(sorted(self.requests, key=lambda r: r.arrival_s))
         finished: set[int] = set()
-        prefilled: set[int] = set()
         held: dict[int, list[Request]] = {}  # previous turn's id -> the turn waiting for it
         thinking: list[tuple[float, int, Request]] = []  # (arrival, id, turn): its user reads the reply
         while (pending or held or thinking) and not self._stop.is_set():
@@ -258,19 +237,17 @@ class Router:
             if self.events is not None:
                 self.events.poll()
             batch: dict[int, list] = {}
-            while True:  # reports first: they release load and held turns
+            while True:  # finishes first: they release load and held turns
                 try:
-                    report = decode_report(self._done.recv(zmq.NOBLOCK))
+                    rids = decode_ids(self._done.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                if report is None or not self._names_routed(report[0], finished | prefilled) \
-                        or not self._names_routed(report[1], finished):
+                if rids is None or len(set(rids)) < len(rids) or not all(
+                        0 <= rid < len(self.routes) and self.routes[rid] >= 0 and rid not in finished
+                        for rid in rids):
                     self.bad_frames += 1
                     continue
-                for rid in report[0]:
-                    prefilled.add(rid)
-                    self.policy.prefilled(rid)
-                for rid in report[1]:
+                for rid in rids:
                     finished.add(rid)
                     self.policy.finished(rid)
                     for req in held.pop(rid, []):
@@ -293,11 +270,6 @@ class Router:
             if wait > 0:
                 poller.poll(max(1, int(1e3 * min(wait, 0.05))))
 
-
-    def _names_routed(self, rids: list[int], gone: set[int]) -> bool:
-        """``rids`` are distinct requests routed, none of them in ``gone``."""
-        return len(set(rids)) == len(rids) and all(
-            0 <= rid < len(self.routes) and self.routes[rid] >= 0 and rid not in gone for rid in rids)
 
     def stats(self) -> dict[str, int]:
         """``held_turns`` and the policy's figures."""
