@@ -17,8 +17,11 @@ arrives from what the router knows then (the replicas job in time, ``route_feed`
   cost in its router design (https://docs.nvidia.com/dynamo/design-docs/router-design:
   "potential prefill blocks" and "potential active blocks", weighted by
   ``--kv-overlap-score-weight``, default 1.0). Dynamo's prefill blocks also count the
-  prompts routed to the replica and not prefilled yet; the replicas here report only
-  finishes, so that term is left out.
+  prompt tokens routed to the replica and not prefilled yet; that term is left out.
+  With it (replicas reporting each step's prefills; README "Replicas in time" has the
+  runs), at the weights of ``configs/replicas.yaml`` and ``configs/h200-replicas.yaml``
+  a queued prompt outweighed most cached prefixes: 35 of 600 requests routed away
+  from a longer one instead of 1-6, and the prefill computed rose.
 - :class:`OneReplica`: everything to replica 0 (the one-cache ceiling in time).
 
 A policy is called from one thread (the router's); it keeps no clock of its own."""
