@@ -145,7 +145,10 @@ def test_a_request_goes_to_the_far_replica_holding_its_prefix(world, hosts):  # 
             _until("both replicas' blocks in the index", lambda: [index.longest_prefix(k, keys[0])
                                                                   for k in (0, 1)] == [2, 5], index.poll)
             assert [index.longest_prefix(k, keys[1]) for k in (0, 1)] == [3, 2]
-            assert policy.costs(reqs[0]) == [(5.0, 2), (2.0, 5)]  # 7 blocks to compute less the prefix
+            # 7 prompt blocks less the prefix to compute; nothing runs, so on either replica
+            # the request adds its 7 blocks (the reply's last token included) to the load.
+            assert reqs[0].blocks_needed(TPB) == 7
+            assert policy.costs(reqs[0]) == [(5.0 + 7, 2), (2.0 + 7, 5)]
             router = Router(reqs, policy, boxes, index, host=host)
         at = router_endpoint(tp, router)
         assert re.fullmatch(rf"tcp://{re.escape(hosts[0])}:\d+", at), at

@@ -86,6 +86,7 @@ def render(r: dict) -> str:
     if r.get("copy_entries_per_step"):  # the CUDA executor
         out.append(f"copies per step: {r['copy_entries_per_step']:.0f} handed to the driver, submitted in "
                    + ", ".join(f"{route} {us:.0f} µs" for route, us in r["copy_submit_us_per_step"].items()))
+    out.extend(event_lines(r.get("events", [])))
     i = r["integrity"]
     out.append("")
     out.extend(check_lines(i, f"on {r['world_size']} ranks"))
@@ -93,6 +94,14 @@ def render(r: dict) -> str:
     out.append(f"consistency: {cons['checks']} checks, "
                + ("ranks identical" if cons["error"] is None else f"FAILED: {cons['error']}"))
     return "\n".join(out)
+
+
+def event_lines(events: list[dict]) -> list[str]:
+    """A line per KV cache events publisher (the results' ``events``)."""
+    return [f"KV cache events of replica {e['replica']} (rank {e['rank']}) on {e['endpoint']}"
+            + (f" (replay {e['replay_endpoint']})" if e["replay_endpoint"] else "")
+            + f": {e['submitted']:,} steps with block changes, {e['published']:,} published by the run's "
+            f"end, {e['dropped']} dropped, {e['replays']} replays" for e in events]
 
 
 def check_lines(i: dict, where: str) -> list[str]:

@@ -45,6 +45,9 @@ class RankFigures:
     # The critical path: steps that ran a batch, their wall time (less the checks), the
     # device's time in their forward passes, the cache's host time the device waited for.
     critical: tuple[int, float, float, float] = (0, 0.0, 0.0, 0.0)
+    # The KV cache events' publisher of this rank (TP rank 0 of a replica, cache.events
+    # on; else empty): its endpoints and figures (EVENT_KEYS of stats()["events"]).
+    events: dict = field(default_factory=dict)
 
     @classmethod
     def collect(cls, cache: KVCache, *, requests: int, finished: int, steps: int, ledger: BlockLedger,
@@ -61,7 +64,15 @@ class RankFigures:
                    consistency=(checks.consistency_checks, checks.consistency_error),
                    cache_api_s=times.cache_api, model_s=times.model, calls_s=dict(times.calls),
                    tolerance=tolerance,
-                   critical=(times.steps_run, times.step_wall, times.gpu_busy, times.cache_critical))
+                   critical=(times.steps_run, times.step_wall, times.gpu_busy, times.cache_critical),
+                   events={k: s["events"][k] for k in EVENT_KEYS if k in s["events"]})
+
+
+# What the results keep of a publisher's figures (``KVCache.stats()["events"]``): where it
+# publishes; steps with block changes handed to it, published by the run's end (the
+# publisher runs behind the step by up to its period), dropped (it was gone or stalled);
+# replays served to late subscribers.
+EVENT_KEYS = ("endpoint", "replay_endpoint", "submitted", "published", "dropped", "replays")
 
 
 def ledger_totals(figures: list[RankFigures]) -> dict:
@@ -202,6 +213,7 @@ def assemble(f: RunFacts, everyone: list[RankFigures]) -> dict:
         "critical_path": critical_path(everyone, f.run_ahead, f.placement[0]["device"]),
         "integrity_mismatches": mismatches,
         "integrity": integrity,
+        "events": [{"rank": e.rank, "replica": e.replica, **e.events} for e in everyone if e.events],
         "steps": f.steps,
         "seconds": f.seconds,
         "config": f.config,
