@@ -324,3 +324,47 @@ def test_a_private_recorder_hands_back_each_step_whole_as_its_log_restarts_and_o
         assert restarts > 10 and overflows > 10
     finally:
         rec.close()
+
+
+def test_a_replay_holds_every_step_published_before_its_request_came():
+    """The race: while the child reads the log, the cache publishes a step and a router
+    sends a replay request. The request must not be answered before that step is in:
+    ``serve_once`` takes the requests waiting before it reads, so this one is answered
+    on the next look, with the step. (Answering whatever waits after the read, as the
+    loop once did, answers it at once without the step.)"""
+    import zmq
+
+    from kvdist.events.child import serve_once
+    from kvdist.events.recorder import Steps
+    from kvdist.events.server import EventServer
+
+    server = EventServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "kv", 16, 0, lambda step: [])
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.DEALER)
+    router.setsockopt(zmq.LINGER, 0)
+    published: list[bytes] = []  # the log: what the cache published, not read yet
+    try:
+        router.connect(server.replay_endpoint)
+        steps = Steps(4)
+
+        def read_while_the_cache_and_a_router_act() -> bytes:
+            published.append(array(U64, (STEP_END, 7)).tobytes())  # step 0 published
+            router.send_multipart([b"", (0).to_bytes(8, "big")])  # then the request sent
+            assert server.replay.poll(5000), "the request never reached the replay socket"
+            return b""  # the read had begun before either
+
+        assert serve_once(server, read_while_the_cache_and_a_router_act, steps, True) == b""
+        assert not router.poll(200), "answered before the step published before the request was in"
+        assert serve_once(server, lambda: published.pop(), steps, True) != b""
+        seqs = []
+        while True:
+            assert router.poll(5000), "the replay did not end"
+            frames = router.recv_multipart()
+            seqs.append(int.from_bytes(frames[2], "big", signed=True))
+            if seqs[-1] == -1:
+                break
+        assert seqs == [0, -1] and server.replays == 1 and server.published == 1
+    finally:
+        router.close()
+        ctx.term()
+        server.close()

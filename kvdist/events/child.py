@@ -28,8 +28,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-__all__ = ["FIGURES", "main"]
+if TYPE_CHECKING:  # imported by main once the settings are read
+    from .recorder import Steps
+    from .server import EventServer
+
+__all__ = ["FIGURES", "main", "serve_once"]
 
 # Header words of the log (from shared_log.FIGURES_AT on) this process keeps current, in order.
 FIGURES = ("published", "replays", "failed", "cpu_ns", "alive")  # cpu_ns: since its sockets were bound
@@ -95,16 +101,13 @@ def main() -> int:
     ending = False
     words[first + FIGURES.index("alive")] = 1
     cpu0 = time.process_time_ns()  # the figure: CPU spent publishing, not starting
+    publish = settings["build"] != "none"
     while not ending:
         ready = dict(poller.poll(wait_ms))
         if ready.get(0):
             ending = os.read(0, 4096) == b""  # nothing else ever comes
-        data = log.read()
+        data = serve_once(server, log.read, steps, publish)
         wait_ms = period_ms if data else idle_ms
-        if settings["build"] != "none":
-            for step in steps.feed(data):
-                server.publish(step)
-        server.serve_replays()
         for i, v in enumerate((server.published, server.replays, server.failed,
                                time.process_time_ns() - cpu0, 1)):
             words[first + i] = v
@@ -112,6 +115,20 @@ def main() -> int:
     server.close()
     log.close()
     return 0
+
+
+def serve_once(server: EventServer, read: Callable[[], bytes], steps: Steps, publish: bool) -> bytes:
+    """One look at the log: take the replay requests waiting, ``read`` what the cache
+    published since the last look (returned), publish its whole steps (unless
+    ``publish`` is off: ``bench events``' "none"), then answer the requests taken, so
+    that each holds every step published before it came (``EventServer.take_replays``)."""
+    asked = server.take_replays()
+    data = read()
+    if publish:
+        for step in steps.feed(data):
+            server.publish(step)
+    server.answer(asked)
+    return data
 
 
 if __name__ == "__main__":

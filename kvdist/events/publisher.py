@@ -84,12 +84,13 @@ class ThreadPublisher:
         server, pending, stop = self._server, self._queue, self._stop
         while True:
             stopping = stop.wait(self._period_s)
+            asked = server.take_replays()  # before the steps: a replay holds every step queued before it
             n = 0
             while pending:
                 server.publish(pending.popleft())
                 n += 1
                 if n % _CHUNK == 0:
                     time.sleep(0)  # the interpreter to the step's thread, if it waits
-            server.serve_replays()
+            server.answer(asked)
             if stopping:
                 return

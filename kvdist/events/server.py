@@ -106,14 +106,26 @@ class EventServer:
             self.published += 1
         self.seconds += time.thread_time() - t0
 
-    def serve_replays(self) -> None:
-        """Answer every replay request waiting (each gets what is kept from its number on)."""
+    def take_replays(self) -> list[list[bytes]]:
+        """The replay requests waiting now, for :meth:`answer` once the steps handed
+        over before they came are published: take them, then take in the steps, then
+        answer, and a replay holds every step handed over before its request came
+        (answered the other way round, a step handed over and a request sent while
+        the steps are taken in would be missed)."""
+        requests = []
         replay = self.replay
         while replay is not None and replay.poll(0):
-            self._serve_replay(replay)
+            requests.append(replay.recv_multipart())
+        return requests
 
-    def _serve_replay(self, replay: zmq.Socket) -> None:
-        frames = replay.recv_multipart()
+    def answer(self, requests: list[list[bytes]]) -> None:
+        """Answer :meth:`take_replays`' requests: each gets what is kept from its number on."""
+        for frames in requests:
+            self._serve_replay(frames)
+
+    def _serve_replay(self, frames: list[bytes]) -> None:
+        replay = self.replay
+        assert replay is not None, "a replay request without a replay socket"
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             log.warning("kvdist events: ignored a replay request of %d frame(s) that is not "
                         "(identity, b'', 8-byte seq)", len(frames))
