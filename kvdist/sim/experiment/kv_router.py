@@ -28,6 +28,7 @@ A policy is called from one thread (the router's); it keeps no clock of its own.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -92,16 +93,14 @@ class KvAware:
     full blocks' hashes as the replicas' events name them.
 
     Per replica the router keeps ``_refs``: for each prompt block of the requests
-    routed there and not finished, how many of them hold it; and ``active``: the blocks
-    those requests hold, each prompt block once (``len(_refs[k])``) plus every
-    request's own blocks (``_own``), summed in ``_own_blocks``."""
+    routed there and not finished, how many of them hold it; and ``_own_blocks``: those
+    requests' own blocks (``_own``), summed. ``active`` is derived from the two."""
 
     def __init__(self, replicas: int, index: CachedPrefixes, hashes: Callable[[Request], Sequence],
                  tokens_per_block: int, overlap_weight: float = 1.0):
         assert replicas > 0 and overlap_weight >= 0, (replicas, overlap_weight)
         self.replicas, self.index, self.hashes = replicas, index, hashes
         self.tpb, self.weight = tokens_per_block, overlap_weight
-        self.active = [0] * replicas  # blocks the requests routed and not finished hold, per replica
         self._refs: list[dict[int, int]] = [{} for _ in range(replicas)]  # prompt block hash -> requests
         self._own_blocks = [0] * replicas
         self._held: dict[int, tuple[int, Sequence, int]] = {}  # request id -> (replica, hashes, own blocks)
@@ -109,6 +108,12 @@ class KvAware:
         # Decisions where load outweighed a longer prefix another replica held: how many,
         # and the blocks the chosen replicas held fewer than the best one (they compute them).
         self.routed_away = self.away_blocks = 0
+
+    @property
+    def active(self) -> list[int]:
+        """The blocks the requests routed to each replica and not finished hold: each
+        prompt block once, plus every request's own."""
+        return [len(refs) + own for refs, own in zip(self._refs, self._own_blocks)]
 
     def _own(self, req: Request, keys: Sequence) -> int:
         """The blocks ``req`` holds that no other request shares: all but its full
@@ -121,25 +126,27 @@ class KvAware:
         return self._costs(req, keys, self._own(req, keys))
 
     def _costs(self, req: Request, keys: Sequence, own: int) -> list[tuple[float, int]]:
+        """``costs`` of ``req``, its hashes ``keys`` and its ``own`` blocks given."""
         blocks = -(-len(req.prompt) // self.tpb)
+        active = self.active
         out = []
         for k in range(self.replicas):
             overlap = self.index.longest_prefix(k, keys)
             refs = self._refs[k]
             added = own + sum(1 for h in keys if h not in refs)  # the blocks routing it here adds
-            out.append((self.weight * (blocks - overlap) + self.active[k] + added, overlap))
+            out.append((self.weight * (blocks - overlap) + active[k] + added, overlap))
         return out
 
     def choose(self, req: Request) -> int:
         keys = self.hashes(req)
         own = self._own(req, keys)
         costs = self._costs(req, keys, own)
-        best = min(range(self.replicas), key=lambda k: (costs[k][0], self.active[k], k))
+        active = self.active
+        best = min(range(self.replicas), key=lambda k: (costs[k][0], active[k], k))
         refs = self._refs[best]
         for h in keys:
             refs[h] = refs.get(h, 0) + 1
         self._own_blocks[best] += own
-        self.active[best] = len(refs) + self._own_blocks[best]
         self._held[req.rid] = (best, keys, own)
         held, most = costs[best][1], max(c[1] for c in costs)
         self.overlap_blocks += held
@@ -157,19 +164,14 @@ class KvAware:
             else:
                 refs[h] -= 1
         self._own_blocks[replica] -= own
-        self.active[replica] = len(refs) + self._own_blocks[replica]
 
     def check_invariants(self) -> None:
         for k in range(self.replicas):
             mine = [(keys, own) for r, keys, own in self._held.values() if r == k]
-            counts: dict[int, int] = {}
-            for keys, _ in mine:
-                for h in keys:
-                    counts[h] = counts.get(h, 0) + 1
+            counts = Counter(h for keys, _ in mine for h in keys)
             assert self._refs[k] == counts, f"replica {k}: block counts {self._refs[k]} != {counts}"
             own = sum(o for _, o in mine)
             assert self._own_blocks[k] == own, f"replica {k}: {self._own_blocks[k]} own blocks for {own}"
-            assert self.active[k] == len(counts) + own, f"replica {k}: {self.active[k]} active blocks"
 
     def stats(self) -> dict[str, int]:
         """``overlap_blocks``: cached prefix blocks on the replicas chosen, summed;
