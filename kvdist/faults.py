@@ -4,17 +4,20 @@ at the named site, to rehearse failures on a real job (docs/design.md, "Start-up
 Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``build``
 (any other error while building the local cache), ``fallback_build`` (error while
 rebuilding without the host tier), ``stall`` (the rank never reaches the consensus
-collective), ``remote_fetch`` (every fetch of the remote tier fails on that rank: its
-replica must then reuse none of those blocks, rule R1), ``external_load`` (with
-``cache.gpu: external``, that rank's loads are not issued and their engine blocks are
-reported failed, so the engine recomputes them). ``site@*`` fails every rank.
+collective), ``remote_stall`` (the same at the remote tier's commit collective, while
+every rank's host tier file and the node directory are in /dev/shm), ``remote_fetch``
+(every fetch of the remote tier fails on that rank: its replica must then reuse none
+of those blocks, rule R1), ``external_load`` (with ``cache.gpu: external``, that rank's
+loads are not issued and their engine blocks are reported failed, so the engine
+recomputes them). ``site@*`` fails every rank.
 
 Where each site fires: ``build`` and ``host_tier`` while the local candidate is built
 (the latter only when a host tier is planned), ``fallback_build`` while it is rebuilt
 without the host tier after USE_NO_HOST, ``stall`` after the local build, just before
-the phase-1 collective. A stalled rank sleeps for :func:`stall_seconds` — longer than
-its peers wait — then tears its candidate down and raises ConsensusTimeout itself, so
-a drill under ``mpiexec`` still ends on every rank."""
+the phase-1 collective, ``remote_stall`` after the remote tier is built, just before its
+commit. A stalled rank sleeps for :func:`stall_seconds` — longer than its peers wait at
+the consensus — then tears its candidate down and raises ConsensusTimeout itself, so a
+drill under ``mpiexec`` still ends on every rank."""
 
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import time
 
 from .errors import ConfigError, ConsensusTimeout, HostTierUnavailable, KVDistError
 
-SITES = ("host_tier", "build", "fallback_build", "stall", "remote_fetch", "external_load")
+SITES = ("host_tier", "build", "fallback_build", "stall", "remote_stall", "remote_fetch", "external_load")
+STALLS = ("stall", "remote_stall")
 ENV = "KVDIST_FAULTS"
 
 
@@ -59,7 +63,7 @@ def active(site: str, rank: int, spec: str | None = None) -> bool:
 
 def inject(site: str, rank: int) -> None:
     """Raise the drill's error for ``site`` if it is active on ``rank``."""
-    assert site != "stall", "a stall is not an error: use stall()"
+    assert site not in STALLS, "a stall is not an error: use stall()"
     if not active(site, rank):
         return
     if site == "host_tier":
@@ -73,13 +77,17 @@ def stall_seconds(timeout_s: float) -> float:
     return 1.5 * timeout_s + min(2.0, timeout_s)
 
 
-def stall(rank: int, timeout_s: float) -> None:
-    """If the drill stalls ``rank``: sleep past the peers' deadline, then raise
-    ConsensusTimeout without ever entering the collective."""
-    if not active("stall", rank):
+def stall(site: str, rank: int, timeout_s: float) -> None:
+    """If the drill stalls ``rank`` at ``site`` (one of STALLS): sleep past the peers'
+    deadline, then raise ConsensusTimeout without ever entering the collective."""
+    assert site in STALLS, f"{site!r} is not a stall"
+    if not active(site, rank):
         return
     seconds = stall_seconds(timeout_s)
     time.sleep(seconds)
-    raise ConsensusTimeout(
-        f"fault drill {ENV}: rank {rank} stalled for {seconds:g} s before the consensus "
-        f"collective; its peers gave up after {timeout_s:g} s")
+    if site == "stall":
+        raise ConsensusTimeout(
+            f"fault drill {ENV}: rank {rank} stalled for {seconds:g} s before the consensus "
+            f"collective; its peers gave up after {timeout_s:g} s")
+    raise ConsensusTimeout(f"fault drill {ENV}: rank {rank} stalled for {seconds:g} s before the "
+                           f"remote tier's commit collective")

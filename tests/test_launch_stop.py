@@ -122,46 +122,29 @@ def test_a_job_whose_ranks_ignore_the_stop_still_ends_with_its_launcher(tmp_path
         kill_all(proc, holder)
 
 
-def ranks_of(launcher: int, np: int) -> list[int]:
-    pids = [p for p in descendants(launcher) if _cmdline(p).split(b"\0")[1:3] == [b"-m", b"mpi4py"]]
-    assert len(pids) == np, pids
-    return pids
-
-
 def test_a_rank_killed_in_start_up_of_a_replicas_job_leaves_no_host_file(tmp_path):
     """2 replicas x TP 2 on one node: the remote tier's host files
     (``kvdist-<token>-<rank>.host``) are in /dev/shm from the build until every peer has
     mapped them, and so is the node directory (``kvdist-<token>-<rank>.node``, from the
-    commit on). The ranks are frozen (SIGSTOP) the moment all five files exist, rank 1
-    is SIGKILLed and the others go on: mpiexec kills them, and nothing may be left."""
+    commit on). Rank 1 stalls just before the remote tier's commit (``remote_stall``), its
+    peers wait for it there: all five files exist until rank 1 is SIGKILLed. mpiexec then
+    kills the others, and nothing may be left."""
     cfg = tiny_config(tmp_path, cache={"host": {"bytes": "1MiB"}}, workload={"requests": 16},
                       distributed={"consensus_timeout_s": 60, "tp_size": 2, "remote": {"enabled": True}})
-    for _ in range(3):  # the freeze races the ranks: on a loaded machine it may come too late
-        proc, holder = start_private(cfg, job_args(), np=4)  # isolated replicas first, then sharing
-        shm = f"/proc/{holder}/root/dev/shm"
-        deadline = time.monotonic() + 120
-        try:
-            while sum(name.endswith((".host", ".node")) for name in os.listdir(shm)) < 5:
-                assert time.monotonic() < deadline and proc.poll() is None, os.listdir(shm)
-                time.sleep(0.001)
-            ranks = ranks_of(proc.pid, 4)
-            for pid in ranks:
-                os.kill(pid, signal.SIGSTOP)
-            files = sorted(name for name in os.listdir(shm) if name.endswith((".host", ".node")))
-        except BaseException:
-            kill_all(proc, holder)
-            raise
-        if len(files) == 5:
-            break
-        kill_all(proc, holder)
-    else:
-        raise AssertionError(f"the ranks were frozen too late 3 times: {files}")
+    proc, holder = start_private(cfg, job_args(), np=4, env={"KVDIST_FAULTS": "remote_stall@1"})
+    shm = f"/proc/{holder}/root/dev/shm"
     try:
-        victim = rank_pid(proc, 1)
-        os.kill(victim, signal.SIGKILL)
-        for pid in ranks:
-            if pid != victim:
-                os.kill(pid, signal.SIGCONT)
+        def remote_files() -> list[str]:
+            return sorted(n for n in os.listdir(shm) if n.endswith((".host", ".node")))
+
+        assert wait_for(lambda: len(remote_files()) == 5 or proc.poll() is not None, 120), remote_files()
+        assert proc.poll() is None, proc.stderr.read()
+        files = remote_files()
+        assert [n.rsplit("-", 1)[1] for n in files] == ["0.host", "0.node", "1.host", "2.host",
+                                                         "3.host"], files
+        time.sleep(0.5)  # the peers are in the commit collective, rank 1 asleep before it
+        assert remote_files() == files
+        os.kill(rank_pid(proc, 1), signal.SIGKILL)
         code = proc.wait(timeout=60)
         assert code != 0
         # The launcher names a rank that died (rank 1, or one mpiexec killed after it:

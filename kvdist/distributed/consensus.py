@@ -244,7 +244,7 @@ class _Protocol:
             assert capacity is not None, "every rank planned yet no capacity was agreed"
             status, error = self.build(capacity, with_host=True, fallback=False)
         try:
-            faults.stall(rank, self.comm.timeout_s)
+            faults.stall("stall", rank, self.comm.timeout_s)
         except BaseException as e:
             self.teardown(propagating=e)
             raise

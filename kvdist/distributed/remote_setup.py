@@ -146,19 +146,28 @@ def commit_remote(comm: MpiComm, replicas: ReplicaComms, cfg: CacheConfig, plan:
     except Exception as e:  # a stamps file that cannot be had: peers use messages
         error = f"{type(e).__name__}: {e}"
     created = _create_node_directory(cfg, plan, layout, host.num_blocks)
-    info = {"host": host.shared_path if stamps is not None and stamps.shared_path else None,
-            "stamps": stamps.shared_path if stamps is not None else None,
-            "node": created.path if created is not None else None,
-            "shm_error": host.shared_error, "error": error}
-    infos = comm.allgather(info, "remote tier: host tier files")
-    enforced = RemoteRules.named(REMOTE_RULES if rules is None else rules)
-    if error is None:
-        try:
-            tier = _build(comm, replicas, cfg, plan, infos, host, stamps, gpu_raw, executor,
-                          device, slots, capacity, built, enforced)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-    committed = commit_or_undo(comm, error, built, stamps, host, layout.rank, "remote tier")
+    try:
+        info = {"host": host.shared_path if stamps is not None and stamps.shared_path else None,
+                "stamps": stamps.shared_path if stamps is not None else None,
+                "node": created.path if created is not None else None,
+                "shm_error": host.shared_error, "error": error}
+        infos = comm.allgather(info, "remote tier: host tier files")
+        enforced = RemoteRules.named(REMOTE_RULES if rules is None else rules)
+        if error is None:
+            try:
+                tier = _build(comm, replicas, cfg, plan, infos, host, stamps, gpu_raw, executor,
+                              device, slots, capacity, built, enforced)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        faults.stall("remote_stall", layout.rank, comm.timeout_s)
+        committed = commit_or_undo(comm, error, built, stamps, host, layout.rank, "remote tier")
+    except BaseException:  # a collective timed out, a stop: no file of this rank stays
+        for thing in reversed(built):
+            thing.close()
+        for shared in (stamps, created):
+            if shared is not None:
+                shared.close()  # removes its file, unless already unlinked
+        raise  # the caller tears the candidate down, and with it the host tier's file
     if created is not None:  # every rank with node peers has it mapped (or failed)
         created.unlink()
         created.close()
