@@ -679,30 +679,3 @@ def test_a_rank_that_cannot_build_its_part_turns_the_remote_tier_off_on_every_ra
     finally:
         cache.close()
 
-
-def test_a_rank_stalled_at_the_remote_commit_fails_every_start_and_leaves_no_file(world, monkeypatch):
-    """Rank 1 stalls just before the remote tier's commit (``remote_stall``) with every
-    rank's host tier file, stamps and the node directory in /dev/shm: its peers' commit
-    collective times out at the step deadline, rank 1 raises after its sleep, and each
-    rank removes its own files as it raises (``commit_remote``)."""
-    from kvdist import faults
-
-    monkeypatch.setenv(faults.ENV, "remote_stall@1")
-    cfg = config(world=world.size)
-    cfg["distributed"].update(consensus_timeout_s=2, step_timeout_s=2)
-    world.Barrier()
-    before = set(os.listdir("/dev/shm"))
-    t0 = time.monotonic()
-    with pytest.raises(kvdist.KVDistError) as raised:
-        kvdist.create(cfg)
-    seconds = time.monotonic() - t0
-    if world.rank == 1:
-        assert isinstance(raised.value, kvdist.ConsensusTimeout), raised.value
-        assert "before the remote tier's commit collective" in str(raised.value)
-        assert seconds >= faults.stall_seconds(2), seconds
-    else:
-        assert "remote tier: commit" in str(raised.value), raised.value
-        assert seconds < faults.stall_seconds(2), seconds
-    world.Barrier()
-    left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvdist-")}
-    assert left == set(), left
