@@ -55,3 +55,20 @@ def test_without_events_the_report_has_no_events_line(tmp_path):
     r = _run(tmp_path, {"enabled": False})
     assert r["ok"] and r["events"] == []
     assert "KV cache events" not in render(r)
+
+
+def test_a_fixed_endpoint_is_bound_once(tmp_path):
+    """The run's cache alone publishes: the replays beside it (``shadows.py``, the
+    gpu-only and no-reuse policies) have no events, so a port written in the config is
+    bound once (each replay bound it again: 'Address already in use' on rank 0, and its
+    peers waited for it at the first step)."""
+    import socket
+
+    with socket.socket() as s:  # a port free now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    r = _run(tmp_path, {"enabled": True, "endpoint": endpoint})
+    assert r["ok"]
+    (e,) = r["events"]
+    assert e["endpoint"] == endpoint

@@ -58,17 +58,20 @@ class RunParts:
 
 
 def abandon(cache: KVCache, server: MetricsServer | None, parts: RunParts | None) -> None:
-    """Undo a run's set-up that failed: its parts once built, else the cache and server."""
+    """Undo a run's set-up that failed: its parts once built, else the cache and server.
+    The failure may be this rank's alone (its report's set-up): its peers are then in
+    the first step, not here, so nothing waits for them; the error ends the job."""
     if parts is not None:
-        close_parts(parts)
+        close_parts(parts, wait_for_peers=False)
         return
     if server is not None:
         server.close()
     cache.close(wait_for_peers=False)
 
 
-def close_parts(parts: RunParts, reporter: Closing | None = None) -> None:
-    """Free a run's parts (collective: the cache's and the model's communicators)."""
+def close_parts(parts: RunParts, reporter: Closing | None = None, wait_for_peers: bool = True) -> None:
+    """Free a run's parts (collective: the cache's and the model's communicators, unless
+    not ``wait_for_peers``: ``KVCache.close``)."""
     try:
         if parts.server is not None:
             parts.server.close()
@@ -77,7 +80,7 @@ def close_parts(parts: RunParts, reporter: Closing | None = None) -> None:
             reporter.close()
     finally:
         try:
-            parts.cache.close()
+            parts.cache.close(wait_for_peers=wait_for_peers)
         finally:
             parts.tp.free()
 

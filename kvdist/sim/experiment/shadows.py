@@ -23,8 +23,8 @@ POLICIES = ("gpu-only", "no reuse")
 def bookkeeping_cache(cfg: CacheConfig, *, gpu: int, host: int = 0, disk: int = 0,
                       disk_dir: str | None = None, reuse: bool = True, comm=None) -> KVCache:
     """A cache of ``gpu``/``host``/``disk`` blocks of one byte per token on the CPU:
-    the run's decisions at a size of kilobytes. One replica, no remote tier; its disk
-    file (when ``disk``) goes to ``disk_dir``."""
+    the run's decisions at a size of kilobytes. One replica, no remote tier, no KV cache
+    events; its disk file (when ``disk``) goes to ``disk_dir``."""
     assert not disk or disk_dir, "a disk tier needs a directory"
     model = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
     bpb = KVLayout(**model, tokens_per_block=cfg.cache.tokens_per_block).bytes_per_block
@@ -36,7 +36,8 @@ def bookkeeping_cache(cfg: CacheConfig, *, gpu: int, host: int = 0, disk: int = 
         cache={"device": "cpu", "gpu": {"blocks": gpu, "bytes": None, "memory_fraction": None},
                "host": {"bytes": host * bpb},
                "disk": {"bytes": disk * bpb, "path": disk_dir if disk else None},
-               "enable_reuse": reuse, "simulate_async": False},
+               "enable_reuse": reuse, "simulate_async": False,
+               "events": {"enabled": False}},  # the run's cache publishes: a replay would bind its port again
         distributed={"tp_size": 0, "remote": {"enabled": False}}), comm=comm)
 
 
