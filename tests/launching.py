@@ -34,6 +34,29 @@ TINY = {
 }
 
 
+def run_mpi_tests(test_file: str, np: int = 4, env: dict | None = None) -> str:
+    """Run the MPI tests of ``test_file`` as a job of their own under the mpiexec beside
+    this Python (skip when there is none): the output, asserted to show every rank's
+    ``1 passed``. What an aborted job leaves in /dev/shm (MPICH's segment) is removed."""
+    import pytest
+
+    from kvdist.launcher.leftovers import remove_leftovers, shm_segments
+
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec beside this Python: `make venv` installs it")
+    segments = shm_segments()
+    r = subprocess.run([str(mpiexec), "-n", str(np), sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
+                        "--with-mpi", "-p", "no:cacheprovider", test_file],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, encoding="utf-8",
+                       env={**os.environ, "MPIEXEC_TIMEOUT": "120", **(env or {})})
+    remove_leftovers(segments)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert out.count("1 passed") == np, out
+    return out
+
+
 def tiny_config(tmp_path: Path, disk_dir: Path | None = None, **sections) -> Path:
     """A config that starts in a second and runs (far) longer than any test waits; its
     trace (about 1 KB a request) fits the test bed's 32 MiB a rank, which the run checks."""

@@ -60,7 +60,8 @@ class RunParts:
 def abandon(cache: KVCache, server: MetricsServer | None, parts: RunParts | None) -> None:
     """Undo a run's set-up that failed: its parts once built, else the cache and server.
     The failure may be this rank's alone (its report's set-up): its peers are then in
-    the first step, not here, so nothing waits for them; the error ends the job."""
+    the first step, not here, so nothing waits for them and the error is said at once
+    (the job itself ends when the peers' first-step deadline passes)."""
     if parts is not None:
         close_parts(parts, wait_for_peers=False)
         return
