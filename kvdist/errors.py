@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 __all__ = ["CacheClosedError", "ConfigError", "ConsensusAbort", "ConsensusTimeout", "ConsistencyError",
-           "CollectiveMismatch", "HostTierUnavailable", "KVDistError", "OutOfBlocksError", "RankStalled",
-           "StepOrderError"]
+           "CollectiveMismatch", "HostTierUnavailable", "KVDistError", "OutOfBlocksError", "PeerFailed",
+           "RankStalled", "StepOrderError"]
 
 
 class KVDistError(Exception):
@@ -71,6 +71,19 @@ class RankStalled(ConsensusTimeout):
     def __init__(self, line: str, stalled: dict[int, str]):
         self.line = line
         self.stalled = dict(stalled)
+        super().__init__(line)
+
+
+class PeerFailed(KVDistError):
+    """One rank's part of a run's set-up failed after the run-time collectives began
+    (its peers were already on their way to the first step): that rank told every
+    other, and every rank raises this at once. ``rank`` is the failing rank (world
+    numbering), ``exit_code`` the job's (2 for a config error, else 1)."""
+
+    def __init__(self, line: str, rank: int, exit_code: int = 1):
+        self.line = line
+        self.rank = rank
+        self.exit_code = exit_code
         super().__init__(line)
 
 

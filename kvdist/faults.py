@@ -5,9 +5,11 @@ Sites: ``host_tier`` (the host tier cannot be had → HostTierUnavailable), ``bu
 (any other error while building the local cache), ``fallback_build`` (error while
 rebuilding without the host tier), ``stall`` (the rank never reaches the consensus
 collective), ``remote_stall`` (the same at the remote tier's commit collective, while
-every rank's host tier file and the node directory are in /dev/shm), ``remote_fetch``
-(every fetch of the remote tier fails on that rank: its replica must then reuse none
-of those blocks, rule R1), ``external_load`` (with ``cache.gpu: external``, that rank's
+every rank's host tier file and the node directory are in /dev/shm), ``run_setup``
+(the main job's run fails on that rank in its own set-up, after the cache and the
+model are built, while its peers go on to the first step), ``remote_fetch`` (every
+fetch of the remote tier fails on that rank: its replica must then reuse none of
+those blocks, rule R1), ``external_load`` (with ``cache.gpu: external``, that rank's
 loads are not issued and their engine blocks are reported failed, so the engine
 recomputes them). ``site@*`` fails every rank.
 
@@ -15,9 +17,10 @@ Where each site fires: ``build`` and ``host_tier`` while the local candidate is 
 (the latter only when a host tier is planned), ``fallback_build`` while it is rebuilt
 without the host tier after USE_NO_HOST, ``stall`` after the local build, just before
 the phase-1 collective, ``remote_stall`` after the remote tier is built, just before its
-commit. A stalled rank sleeps for :func:`stall_seconds` — longer than its peers wait at
-the consensus — then tears its candidate down and raises ConsensusTimeout itself, so a
-drill under ``mpiexec`` still ends on every rank."""
+commit, ``run_setup`` just before the run's report is set up. A stalled rank sleeps
+for :func:`stall_seconds` — longer than its peers wait at the consensus — then tears
+its candidate down and raises ConsensusTimeout itself, so a drill under ``mpiexec``
+still ends on every rank."""
 
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ import time
 
 from .errors import ConfigError, ConsensusTimeout, HostTierUnavailable, KVDistError
 
-SITES = ("host_tier", "build", "fallback_build", "stall", "remote_stall", "remote_fetch", "external_load")
+SITES = ("host_tier", "build", "fallback_build", "stall", "remote_stall", "run_setup", "remote_fetch",
+         "external_load")
 STALLS = ("stall", "remote_stall")
 ENV = "KVDIST_FAULTS"
 

@@ -6,6 +6,7 @@ watcher (``launcher/rank_watcher.py``) that lets launch/kvdist-launch say which 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import io
 import os
 import signal
@@ -106,6 +107,7 @@ def show_warnings_once() -> None:
 
 STALLED_EXIT = 3  # a rank stalled (or the ranks called different collectives): named, the job ended
 _absent: set[int] = set()  # world ranks that will never leave with the others (stalled)
+FINALIZE_S = 20.0  # the most exit_now waits in MPI_Finalize
 _LEAVING_TAG = 0x5A4
 
 
@@ -138,7 +140,11 @@ def exit_now(code: int, wait_s: float = 30.0) -> None:
     shared-memory segment in an exit handler, and without it the segment stayed in
     /dev/shm and Hydra at times killed ranks that had finalized (exit status 9 instead
     of ``code``: 5 of 8 four-rank jobs on the dev box, 2026-12-01; none through
-    ``exit``)."""
+    ``exit``). A rank finalizes even when a collective of its own never completed (a
+    peer's failure or a mismatch ended it; the peers are all leaving): leaving without
+    MPI_Finalize, mpiexec at times killed a rank still leaving (exit status 9: 3 of 14
+    jobs whose set-up failed on one rank, dev box, 2026-12-03). Should MPI_Finalize
+    still wait, the process leaves without it after ``FINALIZE_S`` (exit status 1)."""
     sys.stdout.flush()
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")
@@ -153,12 +159,7 @@ def exit_now(code: int, wait_s: float = 30.0) -> None:
                 time.sleep(0.001)
         if _absent:
             _abort_job(mpi, code)
-        if _orphaned():
-            # MPI_Finalize would wait for collectives that never complete.
-            try:
-                ctypes.PyDLL(None).exit(code)
-            finally:
-                os._exit(code)
+        faulthandler.dump_traceback_later(FINALIZE_S, exit=True, file=os.open(os.devnull, os.O_WRONLY))
         mpi.Finalize()
         try:
             ctypes.PyDLL(None).exit(code)  # C exit handlers run, holding the GIL; Python's exit does not
@@ -204,11 +205,6 @@ def _abort_job(mpi, code: int) -> None:
 
 
 _held: list = []  # requests of _leave_together (never freed: the process is leaving)
-
-
-def _orphaned() -> bool:
-    comm = sys.modules.get("kvdist.distributed.comm")
-    return comm is not None and comm.orphaned()
 
 
 # -- stopping on a signal ------------------------------------------------------------------------

@@ -17,16 +17,19 @@ another collective means the ranks called different collectives. Either way ever
 raises (:class:`~kvdist.errors.RankStalled` or
 :class:`~kvdist.errors.CollectiveMismatch`), tells the peers of its other watches (the
 job's other replicas learn it by message, never by a collective: rule R3), and every
-later bounded collective of the process raises the same error at once."""
+later bounded collective of the process raises the same error at once. A rank whose
+own part of a run's set-up fails (``fail_alone``) ends the job the same way: its peers
+raise :class:`~kvdist.errors.PeerFailed` at once instead of waiting out the first
+step's deadline for it."""
 
 from __future__ import annotations
 
-__all__ = ["FACTOR", "FLOOR_S", "GRACE_S", "Pace", "Peer", "Watch", "ended", "expired", "poll"]
+__all__ = ["FACTOR", "FLOOR_S", "GRACE_S", "Pace", "Peer", "Watch", "ended", "expired", "fail_alone", "poll"]
 
 import time
 from dataclasses import dataclass
 
-from ..errors import CollectiveMismatch, KVDistError, RankStalled
+from ..errors import CollectiveMismatch, ConfigError, KVDistError, PeerFailed, RankStalled
 
 FLOOR_S = 10.0  # auto: never less than this
 FACTOR = 4.0  # auto: this many times the slowest interval between collectives seen
@@ -149,7 +152,27 @@ def _end(error: KVDistError, origin: Watch | None) -> KVDistError:
 
 
 def _detail(error: KVDistError) -> dict:
+    if isinstance(error, PeerFailed):
+        return {"rank": error.rank, "exit_code": error.exit_code}
     return error.stalled if isinstance(error, RankStalled) else getattr(error, "calls", {})
+
+
+def fail_alone(error: BaseException, what: str, rank: int) -> None:
+    """This rank (``rank`` of the job; its world rank where a watch knows it) failed,
+    maybe on its own, in ``what`` (``error``, which it raises), while its peers may be
+    on their way to a run-time collective it will never join: record it for the
+    process (``ended``: a :class:`PeerFailed` naming this rank and ``error``) and tell
+    the peers of every watch, whose bounded collectives then raise that PeerFailed at
+    once (and every later one, as after a stall). Nothing when the process knew a
+    verdict already; nobody is told without a run-time communicator (a job without
+    MPI)."""
+    if _ended:
+        return
+    if _watches:
+        w = _watches[0]
+        rank = w.peers[w.me].rank
+    line = f"rank {rank} failed in {what}: {error if str(error) else repr(error)}"
+    _end(PeerFailed(line, rank, 2 if isinstance(error, ConfigError) else 1), None)
 
 
 def poll(what: str, since: float, mine: Watch | None = None) -> None:
@@ -172,7 +195,10 @@ def poll(what: str, since: float, mine: Watch | None = None) -> None:
 def _verdict(w: Watch) -> KVDistError | None:
     """The verdict a peer of ``w`` reached and sent (recorded for the process), if any."""
     for kind, line, detail in w.receive(_ENDED):
-        error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
+        if kind == "PeerFailed":
+            error: KVDistError = PeerFailed(line, detail["rank"], detail["exit_code"])
+        else:
+            error = RankStalled(line, detail) if kind == "RankStalled" else CollectiveMismatch(line, detail)
         return _end(error, w)
     return None
 

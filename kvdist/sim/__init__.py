@@ -10,10 +10,12 @@ once per configuration and compares the latencies (``compare``)."""
 from __future__ import annotations
 
 import argparse
+import traceback
 
 from .. import process
 from ..config import load_config
-from ..errors import CollectiveMismatch, ConfigError, RankStalled
+from ..distributed import stall
+from ..errors import CollectiveMismatch, ConfigError, KVDistError, PeerFailed, RankStalled
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,6 +77,9 @@ def main(args: argparse.Namespace) -> int:
             process.say_here(f"{e.line}; rank {process.world_rank()} closed its cache, the job ends")
         process.leave_without(e.stalled)
         return process.STALLED_EXIT
+    except PeerFailed as e:  # a rank's set-up failed (not this one's): it told every rank
+        process.say(f"{e.line}; every rank closed its cache, the job ends")
+        return e.exit_code
     except CollectiveMismatch as e:
         process.say_here(f"{e}; rank {process.world_rank()} closed its cache, the job ends")
         return process.STALLED_EXIT
@@ -88,6 +93,14 @@ def main(args: argparse.Namespace) -> int:
         notes = "; ".join(getattr(cause, "__notes__", ()))
         process.say(f"start-up failed: {cause}" + (f" ({notes})" if notes else ""))
         return 1
+    except Exception as e:
+        told = stall.ended()  # this rank's set-up failed (parts.abandon): it told the others
+        if isinstance(e, ConfigError) or not isinstance(told, PeerFailed):
+            raise  # a config error: one line from rank 0 (kvdist.cli); anything else as it is
+        if not isinstance(e, KVDistError):  # a bug: its traceback, from its rank
+            traceback.print_exception(e)
+        process.say(f"{told.line}; every rank closed its cache, the job ends")
+        return told.exit_code
     return 0 if results["ok"] else 1
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ... import process
+from ... import faults, process
 from ...config import CacheConfig
 from ..engine.model import Decoder
 from ..engine.parallel import TensorParallel
@@ -63,12 +63,13 @@ def solo(cfg: CacheConfig, opts: RunOptions, comm=None, *, model: Decoder | None
             ahead = w.run_ahead if w.run_ahead is not None else cache.device.type == "cuda"
             parts = RunParts(cache, tp, trace, sched, clock, model, placement, server, run_ahead=ahead,
                              gate=gate)
+            faults.inject("run_setup", cache.rank)
             reporter = JobReporter(cfg, opts, parts, label=label)
         except BaseException:
             tp.free()
             raise
-    except BaseException:
-        abandon(cache, server, parts)
+    except BaseException as e:
+        abandon(cache, server, parts, e)
         raise
     return Simulation(cfg, opts, parts, reporter)
 

@@ -13,6 +13,7 @@ import torch
 
 from ...cache import KVCache, create
 from ...config import CacheConfig
+from ...distributed import stall
 from ...dtypes import torch_dtype
 from ...errors import KVDistError
 from ..engine.model import Decoder, Geometry, compute_dtype_for
@@ -57,11 +58,14 @@ class RunParts:
     world: TensorParallel | None = None
 
 
-def abandon(cache: KVCache, server: MetricsServer | None, parts: RunParts | None) -> None:
-    """Undo a run's set-up that failed: its parts once built, else the cache and server.
-    The failure may be this rank's alone (its report's set-up): its peers are then in
-    the first step, not here, so nothing waits for them and the error is said at once
-    (the job itself ends when the peers' first-step deadline passes)."""
+def abandon(cache: KVCache, server: MetricsServer | None, parts: RunParts | None,
+            error: BaseException) -> None:
+    """Undo a run's set-up that failed with ``error`` (which the caller raises): its
+    parts once built, else the cache and server. The failure may be this rank's alone
+    (its report's set-up): its peers are then on their way to the first step, not
+    here, so nothing waits for them, and they are told (``stall.fail_alone``): each
+    raises PeerFailed at once rather than wait out the first step's deadline."""
+    stall.fail_alone(error, "the run's set-up", cache.rank)
     if parts is not None:
         close_parts(parts, wait_for_peers=False)
         return

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ... import faults
 from ...config import CacheConfig
 from ..engine.parallel import TensorParallel
 from ..engine.scheduler import Running, Scheduler, StepPlan
@@ -138,9 +139,10 @@ def replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorParallel, 
             if parts is None:
                 tp.free()
             raise
+        faults.inject("run_setup", cache.rank)
         reporter = ReplicaReporter(world, trace, routes, gate, phase=phase, first=first,
                                    remote=cfg.distributed.remote.enabled)
-    except BaseException:
-        abandon(cache, server, parts)
+    except BaseException as e:
+        abandon(cache, server, parts, e)
         raise
     return Simulation(cfg, opts, parts, reporter)

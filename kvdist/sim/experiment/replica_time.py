@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ... import faults
 from ...config import CacheConfig
 from ..engine.model import Decoder
 from ..engine.parallel import TensorParallel
@@ -119,12 +120,13 @@ def timed_replica(cfg: CacheConfig, opts: RunOptions, comm, *, world: TensorPara
             if parts is None:
                 tp.free()
             raise
+        faults.inject("run_setup", cache.rank)
         reporter = TimedReporter(world, trace, gate, phase=phase, remote=cfg.distributed.remote.enabled,
                                  inbox=inbox, router=router)
-    except BaseException:
+    except BaseException as e:
         for end in (router, inbox):
             if end is not None:
                 end.close()
-        abandon(cache, server, parts)
+        abandon(cache, server, parts, e)
         raise
     return Simulation(cfg, opts, parts, reporter)
