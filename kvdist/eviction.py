@@ -215,6 +215,9 @@ class PriorityLRU:
             head, tail, live = self._head[p], self._tail[p], self._live[p]
             assert bool(self._nonempty >> p & 1) == (live > 0), f"bitmask wrong at priority {p}"
             assert 0 <= head <= tail <= len(self._log[p]), f"list {p}: head {head}, tail {tail}"
+            if head == tail:  # an empty window (most of the 101 lists): nothing more to read
+                assert live == 0, f"list {p} holds no slot, live says {live}"
+                continue
             win = self._log[p][head:tail]
             at = np.flatnonzero(win != NO_SLOT)
             slots = win[at]
