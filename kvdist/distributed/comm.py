@@ -53,11 +53,6 @@ def keep_alive(*things: object) -> None:
     _ORPHANS.append(things)
 
 
-def orphaned() -> bool:
-    """Whether a collective of this process never completed (timed out, or a stall)."""
-    return bool(_ORPHANS)
-
-
 def mpi_is_running() -> bool:
     """True when this process was started by an MPI launcher or has MPI initialized."""
     if "mpi4py.MPI" in sys.modules:

@@ -77,9 +77,6 @@ def main(args: argparse.Namespace) -> int:
             process.say_here(f"{e.line}; rank {process.world_rank()} closed its cache, the job ends")
         process.leave_without(e.stalled)
         return process.STALLED_EXIT
-    except PeerFailed as e:  # a rank's set-up failed (not this one's): it told every rank
-        process.say(f"{e.line}; every rank closed its cache, the job ends")
-        return e.exit_code
     except CollectiveMismatch as e:
         process.say_here(f"{e}; rank {process.world_rank()} closed its cache, the job ends")
         return process.STALLED_EXIT
@@ -94,7 +91,9 @@ def main(args: argparse.Namespace) -> int:
         process.say(f"start-up failed: {cause}" + (f" ({notes})" if notes else ""))
         return 1
     except Exception as e:
-        told = stall.ended()  # this rank's set-up failed (parts.abandon): it told the others
+        # A rank's set-up failed (parts.abandon) and it told every rank: this one's own
+        # error, or the PeerFailed its peer sent (recorded for the process either way).
+        told = stall.ended()
         if isinstance(e, ConfigError) or not isinstance(told, PeerFailed):
             raise  # a config error: one line from rank 0 (kvdist.cli); anything else as it is
         if not isinstance(e, KVDistError):  # a bug: its traceback, from its rank
